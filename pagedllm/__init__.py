@@ -1,0 +1,30 @@
+"""pagedllm: high-throughput LLM inference and serving with vLLM's interfaces."""
+
+from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LLM",
+    "AsyncLLM",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "Logprob",
+    "RequestOutputKind",
+    "__version__",
+]
+
+
+def __getattr__(name: str):
+    # Heavy imports (torch, transformers, the engine) only when the class is asked for.
+    if name == "LLM":
+        from pagedllm.entrypoints.llm import LLM
+
+        return LLM
+    if name == "AsyncLLM":
+        from pagedllm.engine.async_llm import AsyncLLM
+
+        return AsyncLLM
+    raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")

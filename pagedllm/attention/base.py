@@ -1,0 +1,75 @@
+"""The attention-backend interface: metadata built once per step, ``forward`` called once per layer.
+
+Token / block layout for one step (three requests, block_size 4)::
+
+    flattened tokens:  | r0: 3 new | r1: 1 new (decode) | r2: 5 new (prefill chunk) |
+    query_start_loc:   [0, 3, 4, 9]
+    seq_lens:          [3, 10, 5]     # context after this step = computed before + new
+    block_table[r]:    block ids holding r's context, in order; entry j covers positions [4j, 4j+4)
+    slot_mapping[t]:   block_table[r][pos // 4] * 4 + pos % 4 for the token's position pos
+
+The KV cache of one layer is one tensor ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (index 0 keys,
+index 1 values). A query token of request r at position p attends to r's keys at positions 0..p (causal),
+which are the first p+1 slots along r's block table once this step's keys have been written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    num_reqs: int
+    num_tokens: int  # real tokens this step (the flattened batch may be padded past it)
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32, on device: cumulative query lengths
+    seq_lens: torch.Tensor  # [num_reqs] int32, on device: context length after this step
+    block_table: torch.Tensor  # [num_reqs, max_blocks_per_req] int32, on device; unused entries arbitrary
+    slot_mapping: torch.Tensor  # [num_tokens(+pad)] int64, on device; -1 means "do not write" (padding)
+    query_start_loc_cpu: torch.Tensor  # [num_reqs + 1] int32, host twin
+    seq_lens_cpu: torch.Tensor  # [num_reqs] int32, host twin
+    is_pure_decode: bool = False  # every request has exactly one query token
+
+
+class AttentionBackend(Protocol):
+    """Writes this step's keys/values into the paged cache, then computes causal attention over it."""
+
+    name: str
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        ...
+
+
+def get_attention_backend(device: torch.device | str, name: str | None = None) -> AttentionBackend:
+    """Pick the backend: Triton on CUDA (when importable), the PyTorch reference elsewhere.
+
+    ``name`` ("torch" or "triton") forces one.
+    """
+    device = torch.device(device)
+    if name is None:
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "triton":
+        try:
+            from pagedllm.attention.triton_backend import TritonAttentionBackend
+        except ImportError:
+            name = "torch"
+        else:
+            return TritonAttentionBackend()
+    if name == "torch":
+        from pagedllm.attention.torch_ref import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}; choose 'torch' or 'triton'")

@@ -1,0 +1,241 @@
+"""Start-up configuration: small dataclasses, each checked in ``__post_init__``, passed explicitly."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def resolve_model_path(model: str) -> str:
+    """Return a local directory for ``model``: the path itself, or a hub snapshot when online.
+
+    Raises ``ValueError`` when it is neither a directory with a config.json nor downloadable.
+    """
+    if os.path.isdir(model):
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            raise ValueError(f"model directory {model!r} has no config.json")
+        return model
+    if os.path.sep in model.strip("/") and model.count("/") > 1 or model.startswith((".", "/")):
+        raise ValueError(f"model path {model!r} does not exist")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"])
+    except Exception as e:  # noqa: BLE001 - any hub failure means "not found" to the user
+        raise ValueError(f"model {model!r} is neither a local directory nor reachable on the hub: {e}") from e
+
+
+@dataclass
+class ModelConfig:
+    model: str
+    tokenizer: str | None = None
+    dtype: str | torch.dtype = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    trust_remote_code: bool = False
+    load_format: str = "auto"  # "auto" (safetensors) | "dummy" (random weights)
+    served_model_name: str | None = None
+    hf_config: Any = field(default=None, init=False, repr=False)
+    model_path: str = field(default="", init=False)
+
+    def __post_init__(self) -> None:
+        from transformers import AutoConfig
+
+        if self.load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}")
+        self.model_path = resolve_model_path(self.model)
+        if self.tokenizer is None:
+            self.tokenizer = self.model_path
+        self.hf_config = AutoConfig.from_pretrained(self.model_path, trust_remote_code=self.trust_remote_code)
+        text_config = getattr(self.hf_config, "text_config", None)
+        if text_config is not None and not hasattr(self.hf_config, "num_hidden_layers"):
+            self.hf_config = text_config
+        self.dtype = self._resolve_dtype(self.dtype)
+        derived = self.derived_max_model_len()
+        if self.max_model_len is None:
+            self.max_model_len = derived
+        elif not isinstance(self.max_model_len, int) or self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
+        elif self.max_model_len > derived:
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) is larger than the model's maximum context ({derived})"
+            )
+        if self.served_model_name is None:
+            self.served_model_name = self.model
+
+    def _resolve_dtype(self, dtype: str | torch.dtype) -> torch.dtype:
+        if isinstance(dtype, torch.dtype):
+            return dtype
+        if dtype == "auto":
+            cfg = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
+            if isinstance(cfg, str):
+                cfg = _DTYPES.get(cfg)
+            # float32 checkpoints run in bfloat16 on GPUs, as in vLLM; on CPU we keep float32.
+            return cfg if isinstance(cfg, torch.dtype) else torch.float32
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
+        return _DTYPES[dtype]
+
+    def derived_max_model_len(self) -> int:
+        return int(getattr(self.hf_config, "max_position_embeddings", 2048) or 2048)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config.vocab_size)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.hf_config.num_hidden_layers)
+
+    @property
+    def num_kv_heads(self) -> int:
+        cfg = self.hf_config
+        return int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+
+    @property
+    def head_dim(self) -> int:
+        cfg = self.hf_config
+        hd = getattr(cfg, "head_dim", None)
+        return int(hd) if hd else cfg.hidden_size // cfg.num_attention_heads
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None  # size the cache by hand (bytes for all layers)
+    num_gpu_blocks_override: int | None = None  # or by block count
+    enable_prefix_caching: bool = True
+    cpu_kv_cache_bytes_default: int = 1 << 30  # CPU: cache bytes when nothing else is given
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two in [1, 128], got {self.block_size!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes!r}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override!r}")
+
+
+@dataclass
+class SchedulerConfig:
+    max_model_len: int
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"  # "fcfs" | "priority"
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs!r}")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = 8192 if self.enable_chunked_prefill else max(self.max_model_len, 8192)
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens!r}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.max_model_len}) when chunked prefill is off; raise it or lower max_model_len"
+            )
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+
+
+@dataclass
+class DeviceConfig:
+    device: str | torch.device = "auto"
+
+    def __post_init__(self) -> None:
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        try:
+            self.device = torch.device(self.device)
+        except RuntimeError as e:
+            raise ValueError(f"device {self.device!r} is not a valid torch device") from e
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' was asked for but CUDA is not available")
+
+
+@dataclass
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    device_config: DeviceConfig
+    enforce_eager: bool = False
+    attention_backend: str | None = None  # None = automatic
+    log_stats: bool = True
+
+
+def make_engine_config(
+    model: str,
+    *,
+    tokenizer: str | None = None,
+    dtype: str | torch.dtype = "auto",
+    max_model_len: int | None = None,
+    block_size: int = 16,
+    gpu_memory_utilization: float = 0.9,
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: int | None = None,
+    enable_prefix_caching: bool = True,
+    enable_chunked_prefill: bool = True,
+    seed: int = 0,
+    device: str = "auto",
+    load_format: str = "auto",
+    trust_remote_code: bool = False,
+    kv_cache_memory_bytes: int | None = None,
+    num_gpu_blocks_override: int | None = None,
+    enforce_eager: bool = False,
+    served_model_name: str | None = None,
+    attention_backend: str | None = None,
+    scheduling_policy: str = "fcfs",
+) -> EngineConfig:
+    """Build every config from vLLM-named keyword arguments (what ``LLM(...)`` and ``pagedllm serve`` take)."""
+    device_config = DeviceConfig(device)
+    model_config = ModelConfig(
+        model=model,
+        tokenizer=tokenizer,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        seed=seed,
+        trust_remote_code=trust_remote_code,
+        load_format=load_format,
+        served_model_name=served_model_name,
+    )
+    if dtype == "auto" and device_config.device.type == "cuda" and model_config.dtype == torch.float32:
+        model_config.dtype = torch.bfloat16
+    cache_config = CacheConfig(
+        block_size=block_size,
+        gpu_memory_utilization=gpu_memory_utilization,
+        kv_cache_memory_bytes=kv_cache_memory_bytes,
+        num_gpu_blocks_override=num_gpu_blocks_override,
+        enable_prefix_caching=enable_prefix_caching,
+    )
+    scheduler_config = SchedulerConfig(
+        max_model_len=model_config.max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        enable_chunked_prefill=enable_chunked_prefill,
+        policy=scheduling_policy,
+    )
+    return EngineConfig(
+        model_config=model_config,
+        cache_config=cache_config,
+        scheduler_config=scheduler_config,
+        device_config=device_config,
+        enforce_eager=enforce_eager,
+        attention_backend=attention_backend,
+    )

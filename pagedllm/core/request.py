@@ -1,0 +1,99 @@
+"""A request as the scheduler sees it: token ids and the counters that drive scheduling."""
+
+from __future__ import annotations
+
+import enum
+
+from pagedllm.core.sched_output import EngineCoreRequest
+from pagedllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything after PREEMPTED is finished.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """Scheduling state of one sequence.
+
+    The one rule: ``num_computed_tokens`` catches up to ``num_tokens``. A prompt, a resumed (preempted) request
+    and a decode differ only in how far behind it is; a step that brings it level produces one new token.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None,
+        arrival_time: float,
+        priority: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = arrival_time
+        self.priority = priority
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 until then
+        self.num_preemptions = 0
+        self.num_prompt_logprobs_sent = 0  # prompt positions whose logprobs were already returned
+        self.block_hashes: list[bytes] = []  # chained hashes of this request's full blocks
+        max_tokens = sampling_params.max_tokens
+        self.max_tokens = max_tokens if max_tokens is not None else 1 << 62
+
+    @classmethod
+    def from_engine_core_request(cls, req: EngineCoreRequest) -> Request:
+        return cls(
+            req.request_id,
+            list(req.prompt_token_ids),
+            req.sampling_params,
+            req.eos_token_id,
+            req.arrival_time,
+            req.priority,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def is_finished(self) -> bool:
+        return self.status.is_finished()
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

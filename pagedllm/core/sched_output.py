@@ -1,0 +1,117 @@
+"""Plain data crossing boundaries: front-end <-> engine core, and scheduler <-> model runner.
+
+Everything here is picklable plain data (lists, ints, floats, strings) so the engine core can run in its own
+process. Tensors never cross the front-end <-> core boundary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedllm.sampling_params import SamplingParams
+
+# ---------------------------------------------------------------- front-end <-> engine core
+
+
+@dataclass
+class EngineCoreRequest:
+    """A tokenized, validated request, as the engine core receives it (one per sampled sequence; n>1 fans out)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    arrival_time: float
+    priority: int = 0
+
+
+@dataclass
+class LogprobsLists:
+    """Top-k logprobs for a run of positions. Row i: ``token_ids[i][0]`` is the sampled (or prompt) token,
+    the rest are the top-k candidates in descending order; ``ranks[i]`` is the 1-based rank of token 0."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: LogprobsLists | None = None  # one row per new token, when logprobs were asked for
+    new_prompt_logprobs: LogprobsLists | None = None  # rows for prompt positions 1.. computed this step
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # stop token id that ended it
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class SchedulerStats:
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0  # fraction of blocks in use, 0..1
+    prefix_cache_queries: int = 0  # cumulative prompt tokens looked up
+    prefix_cache_hits: int = 0  # cumulative prompt tokens found
+    num_preemptions: int = 0  # cumulative
+    num_prompt_tokens: int = 0  # cumulative prompt tokens scheduled (first time only)
+    num_generation_tokens: int = 0  # cumulative tokens generated
+
+
+@dataclass
+class EngineCoreOutputs:
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+
+
+# ---------------------------------------------------------------- scheduler <-> model runner
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen (or must rebuild after preemption): sent in full, once."""
+
+    req_id: str
+    token_ids: list[int]  # prompt + any output so far (a resumed request recomputes all of it)
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int  # before this step (prefix-cache hits included)
+    eos_token_id: int | None = None
+    output_token_ids: list[int] = field(default_factory=list)  # for penalties after a resume
+
+
+@dataclass
+class CachedRequestData:
+    """A request the runner already holds: only what changed."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int  # before this step
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]  # req_id -> tokens this step; iteration order = batch order
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str]  # finished/aborted/preempted since the last step: the runner drops them
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Per scheduled request (keyed by req_id): sampled tokens (empty for a partial prefill chunk) and logprobs."""
+
+    sampled_token_ids: dict[str, list[int]]
+    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    prompt_logprobs: dict[str, LogprobsLists] = field(
+        default_factory=dict
+    )  # rows for positions 1.. this chunk

@@ -1,0 +1,339 @@
+"""One token-budget scheduler: continuous batching, chunked prefill, prefix caching, preemption by recompute.
+
+Each step spends at most ``max_num_batched_tokens`` tokens. Running requests come first (in admission order),
+each asking for ``num_tokens - num_computed_tokens`` tokens (1 for a decode, a chunk for a long prompt); then
+waiting requests are admitted (FCFS, or by ``priority`` then arrival) while budget, sequence slots and KV blocks
+last. When a running request cannot get blocks, the lowest-priority / latest-admitted running request is
+preempted: its blocks are freed and it goes back to the front of the waiting queue to be recomputed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections import deque
+from collections.abc import Iterable
+
+from pagedllm.config import SchedulerConfig
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.sched_output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    LogprobsLists,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerStats,
+)
+
+
+class WaitingQueue:
+    """FCFS (a deque; preempted requests re-enter at the front) or priority (a heap on priority, arrival)."""
+
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
+        self._fcfs: deque[Request] = deque()
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._counter = itertools.count()
+        self._removed: set[str] = set()
+        self._len = 0
+
+    def add(self, request: Request, front: bool = False) -> None:
+        if self.policy == "priority":
+            heapq.heappush(self._heap, (request.priority, request.arrival_time, next(self._counter), request))
+        elif front:
+            self._fcfs.appendleft(request)
+        else:
+            self._fcfs.append(request)
+        self._len += 1
+
+    def _skip_removed(self) -> None:
+        if self.policy == "priority":
+            while self._heap and self._heap[0][3].request_id in self._removed:
+                self._removed.discard(heapq.heappop(self._heap)[3].request_id)
+        else:
+            while self._fcfs and self._fcfs[0].request_id in self._removed:
+                self._removed.discard(self._fcfs.popleft().request_id)
+
+    def peek(self) -> Request:
+        self._skip_removed()
+        return self._heap[0][3] if self.policy == "priority" else self._fcfs[0]
+
+    def pop(self) -> Request:
+        self._skip_removed()
+        self._len -= 1
+        return heapq.heappop(self._heap)[3] if self.policy == "priority" else self._fcfs.popleft()
+
+    def remove(self, request: Request) -> None:
+        """Lazy removal (O(1)): the entry is skipped when it reaches the front."""
+        self._removed.add(request.request_id)
+        self._len -= 1
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __bool__(self) -> bool:
+        return self._len > 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.block_size = kv_cache_manager.block_size
+        self.requests: dict[str, Request] = {}
+        self.waiting = WaitingQueue(config.policy)
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()  # to tell the runner at the next step
+        self.num_preemptions = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self._runner_num_blocks: dict[str, int] = {}  # block ids the runner already holds, per request
+
+    # ------------------------------------------------------------------ requests in and out
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """Finish (e.g. abort) requests wherever they are; unknown or finished ids are ignored."""
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free(request)
+
+    def _free(self, request: Request) -> None:
+        self.kv.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or bool(self.waiting)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    # ------------------------------------------------------------------ one step
+
+    def _preempt_one(self) -> Request:
+        """Preempt the lowest-priority (then latest) running request and requeue it at the front."""
+        if self.config.policy == "priority":
+            victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        else:
+            victim = self.running[-1]
+        self.running.remove(victim)
+        self.kv.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.add(victim, front=True)
+        self.finished_req_ids.add(victim.request_id)  # the runner drops it; it comes back as a new request
+        return victim
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        max_len = self.config.max_model_len
+        scheduled: dict[str, int] = {}  # req_id -> num new tokens, in batch order
+        preempted = False
+
+        # 1. Running requests, in admission order.
+        visited: set[str] = set()
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            i += 1
+            if request.request_id in visited:
+                continue
+            visited.add(request.request_id)
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(num_new, max_len - request.num_computed_tokens)
+            if num_new <= 0:
+                continue
+            while not self.kv.allocate_slots(request, num_new):
+                preempted = True
+                i = 0  # the running list changed: rescan, skipping requests already visited
+                victim = self._preempt_one()
+                budget += scheduled.pop(
+                    victim.request_id, 0
+                )  # a victim scheduled earlier gives its tokens back
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                continue
+            scheduled[request.request_id] = num_new
+            budget -= num_new
+
+        # 2. Waiting requests, unless this step already had to preempt (no room to grow).
+        new_reqs: list[Request] = []
+        while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            hit_blocks, num_hit = [], 0
+            if request.num_computed_tokens == 0:
+                hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            if not self.kv.allocate_slots(request, num_new, hit_blocks):
+                break
+            self.waiting.pop()
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+                self.num_prompt_tokens += request.num_prompt_tokens
+            request.num_computed_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            new_reqs.append(request)
+            scheduled[request.request_id] = num_new
+            budget -= num_new
+
+        # 3. Package: new (or resumed) requests in full, the others as diffs.
+        new_ids = {r.request_id for r in new_reqs}
+        new_data, cached_data = [], []
+        for req_id, num_new in scheduled.items():
+            request = self.requests[req_id]
+            block_ids = self.kv.get_block_ids(req_id)
+            if req_id in new_ids:
+                new_data.append(
+                    NewRequestData(
+                        req_id=req_id,
+                        token_ids=list(request.all_token_ids),
+                        num_prompt_tokens=request.num_prompt_tokens,
+                        sampling_params=request.sampling_params,
+                        block_ids=block_ids,
+                        num_computed_tokens=request.num_computed_tokens,
+                        eos_token_id=request.eos_token_id,
+                        output_token_ids=list(request.output_token_ids),
+                    )
+                )
+            else:
+                known = self._runner_num_blocks.get(req_id, 0)
+                cached_data.append(CachedRequestData(req_id, block_ids[known:], request.num_computed_tokens))
+            self._runner_num_blocks[req_id] = len(block_ids)
+            request.num_computed_tokens += num_new
+        for req_id in self.finished_req_ids:
+            if req_id not in scheduled:
+                self._runner_num_blocks.pop(req_id, None)
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_data,
+            scheduled_cached_reqs=cached_data,
+            num_scheduled_tokens=scheduled,
+            total_num_scheduled_tokens=sum(scheduled.values()),
+            finished_req_ids=self.finished_req_ids,
+        )
+        self.finished_req_ids = set()
+        return out
+
+    # ------------------------------------------------------------------ after the forward
+
+    def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> EngineCoreOutputs:
+        """Append sampled tokens, check stop conditions, cache newly computed blocks, free finished requests."""
+        outputs: list[EngineCoreOutput] = []
+        for req_id in sched.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted meanwhile
+            self.kv.cache_blocks(request)
+            new_token_ids = result.sampled_token_ids.get(req_id, [])
+            prompt_lp = result.prompt_logprobs.get(req_id)
+            if prompt_lp is not None:
+                first_pos = request.num_computed_tokens - sched.num_scheduled_tokens[req_id] + 1
+                prompt_lp = self._new_prompt_logprob_rows(request, prompt_lp, first_pos)
+            for token_id in new_token_ids:
+                request.append_output_token(token_id)
+                self.num_generation_tokens += 1
+                if self._check_stop(request, token_id):
+                    break
+            if not new_token_ids and prompt_lp is None:
+                continue
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=req_id,
+                    new_token_ids=new_token_ids,
+                    new_logprobs=result.logprobs.get(req_id),
+                    new_prompt_logprobs=prompt_lp,
+                    finish_reason=request.status.finish_reason(),
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                )
+            )
+            if request.is_finished():
+                self.running.remove(request)
+                self._free(request)
+        return EngineCoreOutputs(outputs=outputs, stats=self.make_stats(), timestamp=time.monotonic())
+
+    @staticmethod
+    def _new_prompt_logprob_rows(
+        request: Request, rows: LogprobsLists, first_pos: int
+    ) -> LogprobsLists | None:
+        """Drop rows already returned before a preemption made the request recompute its prompt.
+
+        ``rows`` covers prompt positions ``first_pos, first_pos + 1, ...`` (position 0 never has one).
+        """
+        start = request.num_prompt_logprobs_sent
+        n = len(rows.token_ids)
+        skip = max(0, start + 1 - first_pos)
+        if skip >= n:
+            return None
+        if skip:
+            rows.token_ids, rows.logprobs, rows.ranks = (
+                rows.token_ids[skip:],
+                rows.logprobs[skip:],
+                rows.ranks[skip:],
+            )
+        request.num_prompt_logprobs_sent = first_pos + n - 1
+        return rows
+
+    def _check_stop(self, request: Request, token_id: int) -> bool:
+        params = request.sampling_params
+        status = None
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id == request.eos_token_id:
+                status = RequestStatus.FINISHED_STOPPED
+            elif token_id in params.stop_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token_id
+        if status is None and (
+            request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.config.max_model_len
+        ):
+            status = RequestStatus.FINISHED_LENGTH
+        if status is None:
+            return False
+        request.status = status
+        return True
+
+    # ------------------------------------------------------------------ introspection
+
+    def make_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv.usage(),
+            prefix_cache_queries=self.kv.prefix_cache_queries,
+            prefix_cache_hits=self.kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens,
+        )
+
+    def check_integrity(self) -> None:
+        """Assert block-pool invariants and that only live requests own blocks (callable any time)."""
+        self.kv.check_integrity()
+        live = {r.request_id for r in self.running}
+        assert set(self.kv.req_to_blocks) <= live, "a request that is not running owns blocks"
+        assert len(self.running) + len(self.waiting) == len(self.requests), "request tables out of sync"
+        if not self.requests:
+            assert self.kv.num_free_blocks == self.kv.pool.num_blocks, "blocks leaked with no requests left"

@@ -1,0 +1,71 @@
+"""Engine flags with vLLM's names, shared by `pagedllm serve`, `generate` and the benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from pagedllm.config import EngineConfig, make_engine_config
+
+
+def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool = False) -> None:
+    """Add the engine's flags (vLLM names) to ``parser``."""
+    if model_positional:
+        parser.add_argument("model_tag", nargs="?", default=None, help="model directory or hub id")
+    parser.add_argument("--model", default=None, help="model directory or hub id (default: the bundled demo model)")
+    parser.add_argument("--tokenizer", default=None)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16", "half", "float"])
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--attention-backend", default=None, choices=[None, "torch", "triton"])
+    parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+
+
+def resolve_model_arg(args: argparse.Namespace) -> str:
+    model = getattr(args, "model_tag", None) or args.model
+    if model is None:
+        from pagedllm.demo import default_model
+
+        model = default_model()
+    args.model = model
+    return model
+
+
+def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(
+        tokenizer=args.tokenizer,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        seed=args.seed,
+        device=args.device,
+        load_format=args.load_format,
+        trust_remote_code=args.trust_remote_code,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        enforce_eager=args.enforce_eager,
+        attention_backend=args.attention_backend,
+        scheduling_policy=args.scheduling_policy,
+        served_model_name=getattr(args, "served_model_name", None),
+    )
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return make_engine_config(resolve_model_arg(args), **engine_kwargs_from_args(args))

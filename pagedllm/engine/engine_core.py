@@ -1,0 +1,100 @@
+"""EngineCore: scheduler + model runner. Token ids in, token ids out; no text, no threads.
+
+The sync ``LLMEngine`` drives one in-process; the server runs one in its own process (core_process.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.sched_output import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.runner = ModelRunner(config)
+        num_blocks = self.runner.determine_num_blocks()
+        block_size = config.cache_config.block_size
+        max_model_len = config.model_config.max_model_len
+        blocks_per_seq = cdiv(max_model_len, block_size)
+        if num_blocks < blocks_per_seq:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks ({num_blocks * block_size} tokens) but one sequence of "
+                f"max_model_len={max_model_len} needs {blocks_per_seq} blocks: lower max_model_len, or give the "
+                "cache more memory (gpu_memory_utilization, kv_cache_memory_bytes, num_gpu_blocks_override)"
+            )
+        self.runner.init_kv_cache(num_blocks)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, block_size, config.cache_config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
+        self.vocab_size = config.model_config.vocab_size
+        self.kv_cache_info = {
+            "num_blocks": num_blocks,
+            "block_size": block_size,
+            "num_tokens": num_blocks * block_size,
+            "kv_cache_bytes": num_blocks * self.runner.kv_block_bytes(),
+            "max_concurrency": num_blocks / blocks_per_seq,
+        }
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB); maximum concurrency for %d-token "
+            "requests: %.2fx",
+            num_blocks,
+            block_size,
+            num_blocks * block_size,
+            self.kv_cache_info["kv_cache_bytes"] / 2**20,
+            max_model_len,
+            self.kv_cache_info["max_concurrency"],
+        )
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a tokenized request; ``ValueError`` if it can never run (the front-end checks this first)."""
+        max_len = self.config.model_config.max_model_len
+        ids = request.prompt_token_ids
+        if not ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        if len(ids) >= max_len:
+            raise ValueError(
+                f"the prompt ({len(ids)} tokens) is longer than the maximum model length of {max_len} "
+                "(one position is needed for the first generated token)"
+            )
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise ValueError(
+                f"prompt_token_ids must be in [0, {self.vocab_size}): token ids out of vocabulary"
+            )
+        self.scheduler.add_request(Request.from_engine_core_request(request))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def step(self) -> EngineCoreOutputs:
+        if not self.scheduler.has_unfinished_requests():
+            return EngineCoreOutputs(stats=self.scheduler.make_stats(), timestamp=time.monotonic())
+        sched = self.scheduler.schedule()
+        result = self.runner.execute_model(sched)
+        return self.scheduler.update_from_output(sched, result)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError on leaked blocks or inconsistent ref counts (cheap enough to call when idle)."""
+        self.scheduler.check_integrity()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.runner.kv_caches = []

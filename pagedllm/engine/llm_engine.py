@@ -1,0 +1,96 @@
+"""LLMEngine: the synchronous engine loop (add_request / step / abort) over an in-process EngineCore."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from pagedllm.config import EngineConfig, make_engine_config
+from pagedllm.core.sched_output import SchedulerStats
+from pagedllm.engine.engine_core import EngineCore
+from pagedllm.engine.input_processor import InputProcessor, ProcessedRequest
+from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.tokenizer import get_tokenizer
+
+PromptType = str | list[int] | Mapping[str, Any]
+
+
+class LLMEngine:
+    """Text in, ``RequestOutput``s out, one ``step()`` at a time. Not thread-safe: one caller drives it."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        mc = config.model_config
+        self.tokenizer = get_tokenizer(mc.tokenizer, trust_remote_code=mc.trust_remote_code)
+        self.input_processor = InputProcessor(mc, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.engine_core = EngineCore(config)
+        self.last_stats = SchedulerStats()
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> LLMEngine:
+        return cls(make_engine_config(model, **kwargs))
+
+    def process_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> ProcessedRequest:
+        """Tokenize and validate (``ValueError`` naming the field) without queueing anything."""
+        if arrival_time is None:
+            arrival_time = time.monotonic()
+        return self.input_processor.process(request_id, prompt, params, arrival_time, priority)
+
+    def add_processed_request(self, processed: ProcessedRequest) -> None:
+        added: list[str] = []
+        try:
+            for core_req in processed.core_requests:
+                self.engine_core.add_request(core_req)
+                added.append(core_req.request_id)
+        except Exception:
+            self.engine_core.abort_requests(added)
+            raise
+        self.output_processor.add_request(processed)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> None:
+        """Validate and queue one request; on ``ValueError`` nothing is queued and running requests go on."""
+        self.add_processed_request(self.process_request(request_id, prompt, params, arrival_time, priority))
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self.engine_core.step()
+        if outputs.stats is not None:
+            self.last_stats = outputs.stats
+        processed = self.output_processor.process_outputs(outputs.outputs)
+        if processed.reqs_to_abort:
+            self.engine_core.abort_requests(processed.reqs_to_abort)
+        return processed.request_outputs
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        self.engine_core.abort_requests(self.output_processor.abort_requests(list(request_ids)))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests() or self.engine_core.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.output_processor.get_num_unfinished_requests()
+
+    def get_stats(self) -> SchedulerStats:
+        return self.engine_core.get_stats()
+
+    def check_integrity(self) -> None:
+        self.engine_core.check_integrity()

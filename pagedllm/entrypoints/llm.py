@@ -1,0 +1,177 @@
+"""``LLM``: vLLM's offline API (generate, chat) as a thin layer over ``LLMEngine``."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from pagedllm.config import make_engine_config
+from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+ChatMessages = list[dict[str, Any]]
+
+
+class LLM:
+    """Generate text for batches of prompts with continuous batching over a paged KV cache.
+
+    ``model=None`` loads the bundled demo model. Keyword arguments carry vLLM's names and defaults.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        gpu_memory_utilization: float = 0.9,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        seed: int = 0,
+        device: str = "auto",
+        load_format: str = "auto",
+        tokenizer_mode: str = "auto",
+        trust_remote_code: bool = False,
+        kv_cache_memory_bytes: int | None = None,
+        num_gpu_blocks_override: int | None = None,
+        enforce_eager: bool = False,
+        attention_backend: str | None = None,
+        scheduling_policy: str = "fcfs",
+        **kwargs: Any,
+    ) -> None:
+        if kwargs:
+            raise ValueError(f"unknown LLM arguments: {', '.join(sorted(kwargs))}")
+        if model is None:
+            from pagedllm.demo import default_model
+
+            model = default_model()
+        config = make_engine_config(
+            model,
+            tokenizer=tokenizer,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            block_size=block_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching,
+            enable_chunked_prefill=enable_chunked_prefill,
+            seed=seed,
+            device=device,
+            load_format=load_format,
+            trust_remote_code=trust_remote_code,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            num_gpu_blocks_override=num_gpu_blocks_override,
+            enforce_eager=enforce_eager,
+            attention_backend=attention_backend,
+            scheduling_policy=scheduling_policy,
+        )
+        self.llm_engine = LLMEngine(config)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: list[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order.
+
+        A prompt is a string, a list of token ids, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``.
+        Every prompt is validated before any is queued, so a ``ValueError`` leaves the engine untouched.
+        """
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"sampling_params has {len(params_list)} entries but there are {len(prompts)} prompts"
+                )
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority has {len(priority)} entries but there are {len(prompts)} prompts")
+        engine = self.llm_engine
+        now = time.monotonic()
+        processed = [
+            engine.process_request(
+                str(next(self._counter)), p, sp, arrival_time=now, priority=priority[i] if priority else 0
+            )
+            for i, (p, sp) in enumerate(zip(prompts, params_list))
+        ]
+        added = []
+        try:
+            for pr in processed:
+                engine.add_processed_request(pr)
+                added.append(pr.request_id)
+            return self._run_engine([pr.request_id for pr in processed], use_tqdm)
+        except BaseException:
+            engine.abort_request(added)
+            raise
+
+    def chat(
+        self,
+        messages: ChatMessages | Sequence[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation or a list of them, then ``generate``."""
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of messages or of conversations")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        ip = self.llm_engine.input_processor
+        prompts = []
+        for conv in conversations:
+            text = ip.apply_chat_template(
+                conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt
+            )
+            ids = self.llm_engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+            prompts.append({"prompt_token_ids": ids, "prompt": text})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        pending = set(request_ids)
+        done: dict[str, RequestOutput] = {}
+        pbar = None
+        if use_tqdm and len(request_ids) > 1:
+            from tqdm.auto import tqdm
+
+            pbar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
+        start = time.perf_counter()
+        num_out_tokens = 0
+        while pending:
+            for out in engine.step():
+                if out.finished and out.request_id in pending:
+                    pending.discard(out.request_id)
+                    done[out.request_id] = out
+                    if pbar is not None:
+                        num_out_tokens += sum(len(o.token_ids) for o in out.outputs)
+                        pbar.set_postfix_str(
+                            f"output {num_out_tokens / (time.perf_counter() - start):.1f} tok/s"
+                        )
+                        pbar.update(1)
+            if pending and not engine.has_unfinished_requests():
+                raise RuntimeError(f"engine went idle with {len(pending)} requests unfinished")
+        if pbar is not None:
+            pbar.close()
+        return [done[r] for r in request_ids]

@@ -1,0 +1,143 @@
+"""Sampler: one token per row from a batch of logits, with vLLM's semantics.
+
+Order of operations (each step skipped when no row uses it)::
+
+    raw logits ──────────────────────────────────────────────────────────────► logprobs (log_softmax, fp32)
+        │ allowed_token_ids, bad words, min_tokens (-inf); logit_bias (+)
+        │ penalties: repetition (prompt + output), frequency, presence
+        ├─► argmax ──► greedy rows
+        │ / temperature; min-p; top-k; top-p
+        └─► softmax ──► exponential race (per-row generator for seeded rows) ──► random rows
+
+Logprobs are "raw": computed from the model's logits before any of the processing above.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pagedllm.core.sched_output import LogprobsLists
+from pagedllm.sample.metadata import SamplingMetadata
+from pagedllm.sample.ops import (
+    apply_min_p_,
+    apply_penalties_,
+    apply_top_k_only_,
+    apply_top_k_top_p,
+    random_sample,
+)
+
+
+@dataclass
+class LogprobsTensors:
+    """Logprobs of one token per row plus the row's top-k. Column 0 is the row's own (sampled or prompt)
+    token, columns 1..k the k most likely tokens in descending order."""
+
+    token_ids: torch.Tensor  # [num_rows, k + 1] int64
+    logprobs: torch.Tensor  # [num_rows, k + 1] float32
+    ranks: torch.Tensor  # [num_rows] int64, 1-based rank of column 0 (1 + count of strictly likelier tokens)
+
+    def tolists(self) -> LogprobsLists:
+        """Copy to plain lists (one host sync) so the result can cross a process boundary."""
+        return LogprobsLists(
+            token_ids=self.token_ids.tolist(), logprobs=self.logprobs.tolist(), ranks=self.ranks.tolist()
+        )
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [num_reqs] int64, on the logits' device
+    logprobs: LogprobsTensors | None  # None unless some row asked for logprobs
+
+
+def compute_logprobs_topk(
+    logits: torch.Tensor,  # [num_rows, vocab_size], any float dtype
+    token_ids: torch.Tensor,  # [num_rows] int64
+    k: int,
+) -> LogprobsTensors:
+    """Log-softmax (in float32) of ``logits``; the logprob and rank of ``token_ids`` and the top ``k`` tokens."""
+    logprobs = logits.float().log_softmax(dim=-1)  # [num_rows, vocab_size]
+    token_ids = token_ids.unsqueeze(1)  # [num_rows, 1]
+    token_logprobs = logprobs.gather(1, token_ids)  # [num_rows, 1]
+    ranks = (logprobs > token_logprobs).sum(dim=-1) + 1  # [num_rows]
+    if k > 0:
+        top_logprobs, top_ids = logprobs.topk(k, dim=-1)  # [num_rows, k] each
+        token_ids = torch.cat([token_ids, top_ids], dim=1)  # [num_rows, k + 1]
+        token_logprobs = torch.cat([token_logprobs, top_logprobs], dim=1)  # [num_rows, k + 1]
+    return LogprobsTensors(token_ids=token_ids, logprobs=token_logprobs, ranks=ranks)
+
+
+class Sampler(nn.Module):
+    """Samples one token per row. Never modifies the caller's logits; no host syncs in ``forward``."""
+
+    def forward(
+        self,
+        logits: torch.Tensor,  # [num_reqs, vocab_size], float32 (other float dtypes are upcast)
+        metadata: SamplingMetadata,
+    ) -> SamplerOutput:
+        raw_logits = logits
+        logits = logits.float()  # [num_reqs, vocab_size]; aliases the input when it is already float32
+        if metadata.needs_logits_edit:
+            if logits is raw_logits:
+                logits = logits.clone()
+            self._edit_logits_(logits, metadata)
+
+        greedy_ids = None if metadata.all_random else logits.argmax(dim=-1)  # [num_reqs]
+        if metadata.all_greedy:
+            sampled = greedy_ids
+        else:
+            random_ids = self._sample_random(logits, metadata, owned=logits is not raw_logits)  # [num_reqs]
+            if greedy_ids is None:
+                sampled = random_ids
+            else:
+                sampled = torch.where(metadata.greedy_mask, greedy_ids, random_ids)
+
+        logprobs = None
+        if metadata.max_num_logprobs is not None:
+            logprobs = compute_logprobs_topk(raw_logits, sampled, metadata.max_num_logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    @staticmethod
+    def _edit_logits_(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
+        """Masks, bias and penalties, in place: everything that can change the greedy choice."""
+        neg_inf = float("-inf")
+        if metadata.allowed_token_mask is not None:
+            logits.masked_fill_(metadata.allowed_token_mask, neg_inf)
+        if metadata.banned_token_index is not None:
+            rows, cols = metadata.banned_token_index  # [num_banned] each
+            logits[rows, cols] = neg_inf
+        if metadata.logit_bias_index is not None:
+            rows, cols = metadata.logit_bias_index  # [num_bias] each
+            logits.index_put_((rows, cols), metadata.logit_bias_values, accumulate=True)
+        if not metadata.no_penalties:
+            apply_penalties_(
+                logits,
+                metadata.output_token_counts,
+                metadata.prompt_token_mask,
+                metadata.presence_penalties,
+                metadata.frequency_penalties,
+                metadata.repetition_penalties,
+            )
+
+    @staticmethod
+    def _sample_random(
+        logits: torch.Tensor,  # [num_reqs, vocab_size] float32
+        metadata: SamplingMetadata,
+        owned: bool,  # whether ``logits`` may be modified in place
+    ) -> torch.Tensor:  # [num_reqs] int64
+        # min-p and top-k-only work in place; top-p (sort path) and temperature make a new tensor.
+        in_place = not metadata.no_min_p or (metadata.no_top_p and not metadata.no_top_k)
+        if metadata.temperature is not None:
+            logits = logits / metadata.temperature.unsqueeze(1)  # [num_reqs, vocab_size], new tensor
+        elif in_place and not owned:
+            logits = logits.clone()
+        if not metadata.no_min_p:
+            apply_min_p_(logits, metadata.min_p)
+        if not metadata.no_top_p:
+            logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+        elif not metadata.no_top_k:
+            apply_top_k_only_(logits, metadata.top_k, metadata.max_top_k)
+        probs = logits.softmax(dim=-1)  # [num_reqs, vocab_size]
+        return random_sample(probs, metadata.generators)

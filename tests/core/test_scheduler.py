@@ -1,0 +1,178 @@
+"""Scheduler tests with a fake runner: no model, no torch tensors."""
+
+import random
+
+from pagedllm.config import SchedulerConfig
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.sampling_params import SamplingParams
+
+
+def make_scheduler(num_blocks=64, block_size=4, budget=32, max_seqs=8, max_len=256, policy="fcfs", caching=True):
+    cfg = SchedulerConfig(max_model_len=max_len, max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy)
+    return Scheduler(cfg, KVCacheManager(num_blocks, block_size, caching))
+
+
+def make_request(req_id, n_prompt, max_tokens=4, priority=0, arrival=0.0, prompt=None, **kw):
+    tokens = prompt if prompt is not None else [hash((req_id, i)) % 1000 for i in range(n_prompt)]
+    return Request(req_id, tokens, SamplingParams(max_tokens=max_tokens, **kw), 7, arrival, priority)
+
+
+def fake_run(sched: Scheduler, out: SchedulerOutput, token: int = 5) -> ModelRunnerOutput:
+    """Every request that reaches the end of its known tokens produces ``token``."""
+    sampled = {}
+    for req_id in out.num_scheduled_tokens:
+        r = sched.requests[req_id]
+        sampled[req_id] = [token] if r.num_computed_tokens == r.num_tokens else []
+    return ModelRunnerOutput(sampled_token_ids=sampled)
+
+
+def step(sched, token=5):
+    out = sched.schedule()
+    return out, sched.update_from_output(out, fake_run(sched, out, token))
+
+
+def test_budget_shared_by_decodes_and_prefill_chunks():
+    s = make_scheduler(budget=10)
+    s.add_request(make_request("a", 6))
+    s.add_request(make_request("b", 9))
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"a": 6, "b": 4}  # b's prompt is chunked
+    out, res = step(s)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 5}  # a decodes, b finishes its prompt
+    assert {o.request_id for o in res.outputs} == {"a", "b"}
+    assert out.total_num_scheduled_tokens <= 10
+
+
+def test_no_chunking_waits_for_budget():
+    cfg = SchedulerConfig(max_model_len=16, max_num_seqs=8, max_num_batched_tokens=16, enable_chunked_prefill=False)
+    s = Scheduler(cfg, KVCacheManager(64, 4))
+    s.add_request(make_request("a", 10))
+    s.add_request(make_request("b", 10))
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"a": 10}
+
+
+def test_max_num_seqs_caps_running():
+    s = make_scheduler(max_seqs=2)
+    for i in range(4):
+        s.add_request(make_request(str(i), 3))
+    out, _ = step(s)
+    assert list(out.num_scheduled_tokens) == ["0", "1"]
+
+
+def test_finish_by_length_eos_and_stop_token():
+    s = make_scheduler()
+    s.add_request(make_request("len", 3, max_tokens=2))
+    s.add_request(make_request("stop", 3, max_tokens=5, stop_token_ids=[9]))
+    _, res = step(s, token=9)
+    by_id = {o.request_id: o for o in res.outputs}
+    assert by_id["stop"].finish_reason == "stop" and by_id["stop"].stop_reason == 9
+    assert by_id["len"].finish_reason is None
+    _, res = step(s, token=7)  # eos
+    assert res.outputs[0].finish_reason == "stop" and res.outputs[0].stop_reason is None
+    assert not s.has_unfinished_requests()
+    s.check_integrity()
+
+
+def test_min_tokens_and_ignore_eos_suppress_eos_stop():
+    s = make_scheduler()
+    s.add_request(make_request("a", 3, max_tokens=3, min_tokens=2))
+    s.add_request(make_request("b", 3, max_tokens=3, ignore_eos=True))
+    for _ in range(2):
+        _, res = step(s, token=7)
+    fin = {o.request_id: o.finish_reason for o in res.outputs}
+    assert fin == {"a": "stop", "b": None}
+    _, res = step(s, token=7)
+    assert res.outputs[0].finish_reason == "length"
+
+
+def test_preemption_frees_blocks_and_resumes():
+    s = make_scheduler(num_blocks=6, block_size=4, budget=64)
+    s.add_request(make_request("a", 8, max_tokens=12))
+    s.add_request(make_request("b", 8, max_tokens=12))
+    preempted_seen = False
+    for _ in range(60):
+        if not s.has_unfinished_requests():
+            break
+        out, _ = step(s)
+        s.check_integrity()
+        if s.num_preemptions and not preempted_seen:
+            preempted_seen = True
+            assert "b" in out.finished_req_ids  # the latest admitted was the victim
+            assert s.requests["b"].status == RequestStatus.PREEMPTED
+    assert preempted_seen and not s.has_unfinished_requests()
+    assert s.kv.num_free_blocks == 6
+
+
+def test_priority_policy_orders_admission_and_preempts_lowest():
+    s = make_scheduler(num_blocks=5, block_size=4, budget=64, max_seqs=8, policy="priority")
+    s.add_request(make_request("low", 8, priority=5, arrival=0.0, max_tokens=10))
+    s.add_request(make_request("high", 8, priority=0, arrival=1.0, max_tokens=10))
+    out, _ = step(s)
+    assert list(out.num_scheduled_tokens)[0] == "high"
+    for _ in range(6):
+        step(s)
+    assert s.requests["low"].num_preemptions >= 1
+    assert s.requests.get("high") is None or s.requests["high"].num_preemptions == 0
+
+
+def test_abort_anywhere_frees_everything():
+    s = make_scheduler(budget=4)
+    s.add_request(make_request("a", 10))
+    s.add_request(make_request("b", 10))
+    step(s)
+    s.finish_requests(["a", "b", "unknown"], RequestStatus.FINISHED_ABORTED)
+    assert not s.has_unfinished_requests()
+    s.check_integrity()
+    out = s.schedule()
+    assert out.finished_req_ids == {"a", "b"} and out.total_num_scheduled_tokens == 0
+
+
+def test_prefix_hit_counts_and_shares_blocks():
+    s = make_scheduler(block_size=4)
+    prompt = list(range(13))
+    s.add_request(make_request("a", 0, prompt=prompt, max_tokens=1))
+    step(s)
+    s.add_request(make_request("b", 0, prompt=prompt[:12] + [50], max_tokens=1))
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"b": 1}
+    assert s.kv.prefix_cache_hits == 12
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 12
+
+
+def test_random_runs_keep_pool_invariants():
+    rng = random.Random(0)
+    for trial in range(8):
+        block_size = rng.choice([1, 2, 4, 8])
+        min_blocks = 64 // block_size  # the engine guarantees one max_model_len sequence fits
+        s = make_scheduler(num_blocks=rng.randint(min_blocks, 3 * min_blocks), block_size=block_size,
+                           budget=rng.randint(4, 40), max_seqs=rng.randint(1, 6), max_len=64,
+                           policy=rng.choice(["fcfs", "priority"]))
+        shared = [rng.randrange(50) for _ in range(16)]
+        next_id = 0
+        for _ in range(150):
+            action = rng.random()
+            if action < 0.3:
+                n = rng.randint(1, 30)
+                prompt = shared[: rng.randint(0, 16)] + [rng.randrange(50) for _ in range(n)]
+                prompt = prompt[:60] or [1]
+                s.add_request(make_request(f"{trial}-{next_id}", 0, prompt=prompt, max_tokens=rng.randint(1, 8),
+                                           priority=rng.randint(0, 3), arrival=float(next_id)))
+                next_id += 1
+            elif action < 0.4 and s.requests:
+                s.finish_requests([rng.choice(list(s.requests))], RequestStatus.FINISHED_ABORTED)
+            else:
+                out, _ = step(s, token=rng.randrange(50))
+                assert out.total_num_scheduled_tokens <= s.config.max_num_batched_tokens
+                assert len(out.num_scheduled_tokens) <= s.config.max_num_seqs
+            s.check_integrity()
+        for _ in range(500):
+            if not s.has_unfinished_requests():
+                break
+            step(s)
+            s.check_integrity()
+        assert not s.has_unfinished_requests()
+        assert s.kv.num_free_blocks == s.kv.pool.num_blocks
