@@ -31,7 +31,9 @@ def resolve_model_path(model: str) -> str:
     try:
         from huggingface_hub import snapshot_download
 
-        return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"])
+        return snapshot_download(
+            model, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+        )
     except Exception as e:  # noqa: BLE001 - any hub failure means "not found" to the user
         raise ValueError(f"model {model!r} is neither a local directory nor reachable on the hub: {e}") from e
 
@@ -53,7 +55,9 @@ class ModelConfig:
         from transformers import AutoConfig
 
         if self.load_format not in ("auto", "safetensors", "dummy"):
-            raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}")
+            raise ValueError(
+                f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}"
+            )
         self.model_path = resolve_model_path(self.model)
         if self.tokenizer is None:
             self.tokenizer = self.model_path
@@ -61,6 +65,12 @@ class ModelConfig:
         text_config = getattr(self.hf_config, "text_config", None)
         if text_config is not None and not hasattr(self.hf_config, "num_hidden_layers"):
             self.hf_config = text_config
+        from pagedllm.models.registry import get_model_class
+
+        archs = getattr(self.hf_config, "architectures", None) or []
+        if not archs:
+            raise ValueError(f"config.json of {self.model!r} names no architectures")
+        get_model_class(archs[0], import_module=False)  # ValueError listing the supported ones
         self.dtype = self._resolve_dtype(self.dtype)
         derived = self.derived_max_model_len()
         if self.max_model_len is None:
@@ -78,7 +88,7 @@ class ModelConfig:
         if isinstance(dtype, torch.dtype):
             return dtype
         if dtype == "auto":
-            cfg = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
+            cfg = getattr(self.hf_config, "dtype", None) or self.hf_config.__dict__.get("torch_dtype")
             if isinstance(cfg, str):
                 cfg = _DTYPES.get(cfg)
             # float32 checkpoints run in bfloat16 on GPUs, as in vLLM; on CPU we keep float32.
@@ -142,7 +152,9 @@ class SchedulerConfig:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs!r}")
         if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = 8192 if self.enable_chunked_prefill else max(self.max_model_len, 8192)
+            self.max_num_batched_tokens = (
+                8192 if self.enable_chunked_prefill else max(self.max_model_len, 8192)
+            )
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens!r}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:

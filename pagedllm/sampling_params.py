@@ -84,13 +84,17 @@ class SamplingParams:
             return isinstance(x, int) and not isinstance(x, bool)
 
         need(is_int(self.n) and self.n >= 1, "n", "must be an integer >= 1")
-        need(is_int(self.best_of) and self.best_of >= self.n, "best_of", f"must be an integer >= n ({self.n})")
+        need(
+            is_int(self.best_of) and self.best_of >= self.n, "best_of", f"must be an integer >= n ({self.n})"
+        )
         need(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
         need(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
         need(self.repetition_penalty > 0.0, "repetition_penalty", "must be > 0")
         need(self.temperature >= 0.0, "temperature", "must be non-negative")
         need(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
-        need(is_int(self.top_k) and self.top_k >= 0, "top_k", "must be -1 (disable), 0 (disable) or at least 1")
+        need(
+            is_int(self.top_k) and self.top_k >= 0, "top_k", "must be -1 (disable), 0 (disable) or at least 1"
+        )
         need(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
         need(self.seed is None or is_int(self.seed), "seed", "must be an integer or None")
         need(
@@ -100,8 +104,14 @@ class SamplingParams:
         )
         need(is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None:
-            need(self.min_tokens <= self.max_tokens, "min_tokens", f"must be <= max_tokens ({self.max_tokens})")
-        need(self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= 0), "logprobs", "must be >= 0")
+            need(
+                self.min_tokens <= self.max_tokens, "min_tokens", f"must be <= max_tokens ({self.max_tokens})"
+            )
+        need(
+            self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= 0),
+            "logprobs",
+            "must be >= 0",
+        )
         need(
             self.prompt_logprobs is None or (is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
             "prompt_logprobs",
@@ -117,7 +127,11 @@ class SamplingParams:
                 "must be a non-empty list of token ids",
             )
         if self.logit_bias:
-            need(all(-100.0 <= v <= 100.0 for v in self.logit_bias.values()), "logit_bias", "values must be in [-100, 100]")
+            need(
+                all(-100.0 <= v <= 100.0 for v in self.logit_bias.values()),
+                "logit_bias",
+                "values must be in [-100, 100]",
+            )
 
     @property
     def sampling_type_greedy(self) -> bool:
@@ -129,11 +143,15 @@ class SamplingParams:
             ids = getattr(self, name) or []
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
-                raise ValueError(f"{name} contains token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+                raise ValueError(
+                    f"{name} contains token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}"
+                )
         if self.logit_bias:
             bad = [t for t in self.logit_bias if not 0 <= t < vocab_size]
             if bad:
-                raise ValueError(f"logit_bias contains token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+                raise ValueError(
+                    f"logit_bias contains token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}"
+                )
 
     def clone(self) -> SamplingParams:
         return copy.deepcopy(self)

@@ -12,9 +12,13 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     """Add the engine's flags (vLLM names) to ``parser``."""
     if model_positional:
         parser.add_argument("model_tag", nargs="?", default=None, help="model directory or hub id")
-    parser.add_argument("--model", default=None, help="model directory or hub id (default: the bundled demo model)")
+    parser.add_argument(
+        "--model", default=None, help="model directory or hub id (default: the bundled demo model)"
+    )
     parser.add_argument("--tokenizer", default=None)
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16", "half", "float"])
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16", "half", "float"]
+    )
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)

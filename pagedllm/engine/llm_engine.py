@@ -48,6 +48,8 @@ class LLMEngine:
         return self.input_processor.process(request_id, prompt, params, arrival_time, priority)
 
     def add_processed_request(self, processed: ProcessedRequest) -> None:
+        """Queue a processed request in both halves; on failure neither half keeps any of it."""
+        self.output_processor.add_request(processed)  # raises on a duplicate request id
         added: list[str] = []
         try:
             for core_req in processed.core_requests:
@@ -55,8 +57,8 @@ class LLMEngine:
                 added.append(core_req.request_id)
         except Exception:
             self.engine_core.abort_requests(added)
+            self.output_processor.abort_requests([processed.request_id])
             raise
-        self.output_processor.add_request(processed)
 
     def add_request(
         self,

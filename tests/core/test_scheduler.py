@@ -10,8 +10,12 @@ from pagedllm.core.scheduler import Scheduler
 from pagedllm.sampling_params import SamplingParams
 
 
-def make_scheduler(num_blocks=64, block_size=4, budget=32, max_seqs=8, max_len=256, policy="fcfs", caching=True):
-    cfg = SchedulerConfig(max_model_len=max_len, max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy)
+def make_scheduler(
+    num_blocks=64, block_size=4, budget=32, max_seqs=8, max_len=256, policy="fcfs", caching=True
+):
+    cfg = SchedulerConfig(
+        max_model_len=max_len, max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy
+    )
     return Scheduler(cfg, KVCacheManager(num_blocks, block_size, caching))
 
 
@@ -47,7 +51,9 @@ def test_budget_shared_by_decodes_and_prefill_chunks():
 
 
 def test_no_chunking_waits_for_budget():
-    cfg = SchedulerConfig(max_model_len=16, max_num_seqs=8, max_num_batched_tokens=16, enable_chunked_prefill=False)
+    cfg = SchedulerConfig(
+        max_model_len=16, max_num_seqs=8, max_num_batched_tokens=16, enable_chunked_prefill=False
+    )
     s = Scheduler(cfg, KVCacheManager(64, 4))
     s.add_request(make_request("a", 10))
     s.add_request(make_request("b", 10))
@@ -148,9 +154,14 @@ def test_random_runs_keep_pool_invariants():
     for trial in range(8):
         block_size = rng.choice([1, 2, 4, 8])
         min_blocks = 64 // block_size  # the engine guarantees one max_model_len sequence fits
-        s = make_scheduler(num_blocks=rng.randint(min_blocks, 3 * min_blocks), block_size=block_size,
-                           budget=rng.randint(4, 40), max_seqs=rng.randint(1, 6), max_len=64,
-                           policy=rng.choice(["fcfs", "priority"]))
+        s = make_scheduler(
+            num_blocks=rng.randint(min_blocks, 3 * min_blocks),
+            block_size=block_size,
+            budget=rng.randint(4, 40),
+            max_seqs=rng.randint(1, 6),
+            max_len=64,
+            policy=rng.choice(["fcfs", "priority"]),
+        )
         shared = [rng.randrange(50) for _ in range(16)]
         next_id = 0
         for _ in range(150):
@@ -159,8 +170,16 @@ def test_random_runs_keep_pool_invariants():
                 n = rng.randint(1, 30)
                 prompt = shared[: rng.randint(0, 16)] + [rng.randrange(50) for _ in range(n)]
                 prompt = prompt[:60] or [1]
-                s.add_request(make_request(f"{trial}-{next_id}", 0, prompt=prompt, max_tokens=rng.randint(1, 8),
-                                           priority=rng.randint(0, 3), arrival=float(next_id)))
+                s.add_request(
+                    make_request(
+                        f"{trial}-{next_id}",
+                        0,
+                        prompt=prompt,
+                        max_tokens=rng.randint(1, 8),
+                        priority=rng.randint(0, 3),
+                        arrival=float(next_id),
+                    )
+                )
                 next_id += 1
             elif action < 0.4 and s.requests:
                 s.finish_requests([rng.choice(list(s.requests))], RequestStatus.FINISHED_ABORTED)

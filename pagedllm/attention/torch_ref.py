@@ -1,0 +1,133 @@
+"""Pure-PyTorch paged attention: the CPU path and the oracle that faster kernels are tested against.
+
+Written for clarity first: one loop over requests (driven by host-side lengths), each request's context
+gathered through its block table, then a masked SDPA in float32. See ``base.py`` for the cache layout.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention.base import AttentionMetadata
+
+
+def write_kv_cache_ref(
+    key: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], contiguous
+    slot_mapping: torch.Tensor,  # [>= T] int64; slot = block_id * block_size + offset, -1 = skip
+) -> None:
+    """Write token ``t``'s key/value into flat slot ``slot_mapping[t]``; entries equal to -1 are skipped.
+
+    (The boolean mask makes this sync with the host on CUDA; fine for a reference.)
+    """
+    num_tokens = key.shape[0]
+    slots = slot_mapping[:num_tokens]  # [T]
+    valid = slots >= 0  # [T]
+    key_cache = kv_cache[0].view(
+        -1, *kv_cache.shape[-2:]
+    )  # [num_blocks * block_size, num_kv_heads, head_dim]
+    value_cache = kv_cache[1].view(
+        -1, *kv_cache.shape[-2:]
+    )  # [num_blocks * block_size, num_kv_heads, head_dim]
+    valid_slots = slots[valid]  # [num_valid]
+    key_cache[valid_slots] = key[valid].to(key_cache.dtype)
+    value_cache[valid_slots] = value[valid].to(value_cache.dtype)
+
+
+def _paged_attention(
+    query: torch.Tensor,  # [T, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table: torch.Tensor,  # [num_reqs, max_blocks_per_req]
+    seq_lens: list[int],  # [num_reqs] context length of each request (its keys already in the cache)
+    query_start_loc: list[int],  # [num_reqs + 1]
+    scale: float,
+) -> torch.Tensor:  # [T, num_heads, head_dim]; rows past query_start_loc[-1] (padding) are zero
+    num_heads = query.shape[1]
+    block_size, num_kv_heads, head_dim = key_cache.shape[1:]
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    group = num_heads // num_kv_heads
+    acc_dtype = torch.promote_types(query.dtype, torch.float32)  # float32, or float64 when given float64
+    out = torch.zeros_like(query)  # [T, num_heads, head_dim]
+    for r, seq_len in enumerate(seq_lens):
+        q_start, q_end = query_start_loc[r], query_start_loc[r + 1]
+        query_len = q_end - q_start
+        if query_len == 0:
+            continue
+        if query_len > seq_len:
+            raise ValueError(f"request {r}: query_len {query_len} > seq_len {seq_len}")
+        num_blocks = (seq_len + block_size - 1) // block_size
+        block_ids = block_table[r, :num_blocks].long()  # [num_blocks]
+        k = key_cache[block_ids].flatten(0, 1)[:seq_len]  # [seq_len, num_kv_heads, head_dim]
+        v = value_cache[block_ids].flatten(0, 1)[:seq_len]  # [seq_len, num_kv_heads, head_dim]
+        # GQA: query head h reads kv head h // group.
+        k = k.to(acc_dtype).repeat_interleave(group, dim=1).transpose(0, 1)  # [num_heads, seq_len, head_dim]
+        v = v.to(acc_dtype).repeat_interleave(group, dim=1).transpose(0, 1)  # [num_heads, seq_len, head_dim]
+        q = query[q_start:q_end].to(acc_dtype).transpose(0, 1)  # [num_heads, query_len, head_dim]
+        # Query i sits at position seq_len - query_len + i and sees keys at positions <= it.
+        q_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)  # [query_len]
+        k_pos = torch.arange(seq_len, device=query.device)  # [seq_len]
+        mask = k_pos[None, :] <= q_pos[:, None]  # [query_len, seq_len], True = attend
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale
+        )  # [num_heads, query_len, head_dim]
+        out[q_start:q_end] = o.transpose(0, 1).to(out.dtype)
+    return out
+
+
+def paged_attention_ref(
+    query: torch.Tensor,  # [T, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table: torch.Tensor,  # [num_reqs, max_blocks_per_req] int, block ids of each request's context
+    seq_lens: torch.Tensor,  # [num_reqs] int, context length per request (including this step's tokens)
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] int, cumulative query lengths into ``query``
+    scale: float,
+) -> torch.Tensor:  # [T, num_heads, head_dim], query dtype
+    """Causal attention of each request's query tokens over its paged context; does not write the cache.
+
+    Request ``r`` owns query rows ``query_start_loc[r]:query_start_loc[r+1]`` (``query_len`` of them) and
+    context positions ``0..seq_lens[r]-1``, position ``p`` stored at ``block_table[r, p // block_size]``,
+    offset ``p % block_size``. Its query row ``i`` sits at position ``seq_lens[r] - query_len + i`` and
+    attends to keys at positions ``<=`` that. Computed in float32 (float64 for float64 inputs).
+    GQA: query head ``h`` uses kv head ``h // (num_heads // num_kv_heads)``. Rows past
+    ``query_start_loc[-1]`` (padding) are zero. Host-syncs on ``seq_lens``/``query_start_loc`` (test oracle).
+    """
+    return _paged_attention(
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_lens.tolist(),
+        query_start_loc.tolist(),
+        scale,
+    )
+
+
+class TorchAttentionBackend:
+    """The ``AttentionBackend`` in plain PyTorch: write this step's k/v, then ``paged_attention_ref``."""
+
+    name = "torch"
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, num_heads, head_dim]
+        key: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        write_kv_cache_ref(key, value, kv_cache, metadata.slot_mapping)
+        return _paged_attention(
+            query,
+            kv_cache[0],
+            kv_cache[1],
+            metadata.block_table,
+            metadata.seq_lens_cpu.tolist(),
+            metadata.query_start_loc_cpu.tolist(),
+            scale,
+        )

@@ -1,0 +1,119 @@
+"""`pagedllm bench latency`: end-to-end latency of one batch, vLLM's definition.
+
+One batch of ``--batch-size`` random-token prompts of ``--input-len`` tokens, each generating exactly
+``--output-len`` tokens (ignore_eos); ``--num-iters-warmup`` untimed runs, then ``--num-iters`` timed runs of the
+whole ``generate`` call. Reports the mean and percentiles of the latency and output tokens/s
+(batch_size * output_len / mean latency). ``--backend hf`` times transformers' ``generate`` on the same batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+from pagedllm.engine.arg_utils import add_engine_args, resolve_model_arg
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    add_engine_args(parser)
+    parser.add_argument("--backend", default="pagedllm", choices=["pagedllm", "hf"])
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--input-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--num-iters-warmup", type=int, default=3)
+    parser.add_argument("--num-iters", type=int, default=10)
+    parser.add_argument("--output-json", default=None)
+
+
+def _prompts(batch_size: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, min(vocab, 10000), size=(batch_size, input_len)).tolist()
+
+
+def _pagedllm_runner(args: argparse.Namespace):
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.benchmarks.throughput import engine_kwargs_from_args_for_llm
+
+    llm = LLM(resolve_model_arg(args), **engine_kwargs_from_args_for_llm(args))
+    prompts = [
+        {"prompt_token_ids": p}
+        for p in _prompts(args.batch_size, args.input_len, llm.llm_engine.engine_core.vocab_size, args.seed)
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
+
+    def run() -> None:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == args.output_len for o in outs)
+
+    return run
+
+
+def _hf_runner(args: argparse.Namespace):
+    import torch
+
+    from pagedllm.benchmarks.hf_backend import load_hf_model
+
+    model, device = load_hf_model(args)
+    ids = torch.tensor(
+        _prompts(args.batch_size, args.input_len, model.config.vocab_size, args.seed), device=device
+    )
+
+    def run() -> None:
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=args.output_len,
+                min_new_tokens=args.output_len,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        assert out.shape[1] == args.input_len + args.output_len
+
+    return run
+
+
+def main(args: argparse.Namespace) -> int:
+    run = _hf_runner(args) if args.backend == "hf" else _pagedllm_runner(args)
+    for _ in range(args.num_iters_warmup):
+        run()
+    latencies = []
+    for _ in range(args.num_iters):
+        start = time.perf_counter()
+        run()
+        latencies.append(time.perf_counter() - start)
+    lat = np.array(latencies)
+    out_tok_s = args.batch_size * args.output_len / lat.mean()
+    print(
+        f"Latency ({args.backend}): avg {lat.mean():.4f} s, p50 {np.percentile(lat, 50):.4f} s, "
+        f"p90 {np.percentile(lat, 90):.4f} s, p99 {np.percentile(lat, 99):.4f} s; "
+        f"{out_tok_s:.1f} output tokens/s (batch {args.batch_size}, {args.input_len} in / {args.output_len} out)"
+    )
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(
+                {
+                    "backend": args.backend,
+                    "avg_latency_s": float(lat.mean()),
+                    "latencies_s": latencies,
+                    "percentiles_s": {str(p): float(np.percentile(lat, p)) for p in (10, 25, 50, 75, 90, 99)},
+                    "output_tokens_per_s": out_tok_s,
+                    "args": vars(args),
+                },
+                f,
+                indent=2,
+                default=str,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__)
+    add_cli_args(p)
+    raise SystemExit(main(p.parse_args()))

@@ -1,0 +1,22 @@
+"""Activations used by gated MLPs."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SiluAndMul(nn.Module):
+    """``silu(gate) * up`` where the input holds ``[gate | up]`` along its last dimension."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., 2 * d] -> [..., d]
+        gate, up = x.chunk(2, dim=-1)  # [..., d] each
+        return F.silu(gate) * up
+
+
+def get_act_and_mul(hidden_act: str) -> nn.Module:
+    """The gated activation for an HF ``hidden_act`` name (only SiLU/SwiGLU is used by supported models)."""
+    if hidden_act in ("silu", "swish"):
+        return SiluAndMul()
+    raise ValueError(f"unsupported hidden_act {hidden_act!r}; supported: 'silu'")

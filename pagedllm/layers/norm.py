@@ -1,0 +1,35 @@
+"""RMSNorm, optionally fused with the residual add that precedes it."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) * weight``, computed in float32 and cast back to the input dtype (as HF does).
+
+    ``forward(x)`` returns the normed tensor. ``forward(x, residual)`` first adds ``residual`` to ``x``
+    and returns ``(normed, x + residual)``, so decoder layers carry the residual stream without an extra op.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(hidden_size))  # [hidden_size]
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        orig_dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(orig_dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [..., hidden_size]
+        residual: torch.Tensor | None = None,  # [..., hidden_size]
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x

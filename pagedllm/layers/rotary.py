@@ -1,0 +1,103 @@
+"""Rotary position embeddings (NeoX / HF-Llama "rotate half" layout), with linear and llama3 scaling."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def rope_config(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
+    """``(rope_theta, rope_scaling)`` from an HF config; ``rope_scaling`` is None for plain RoPE.
+
+    Reads transformers >= 5 ``rope_parameters`` and the older ``rope_theta`` + ``rope_scaling`` fields.
+    """
+    params = getattr(hf_config, "rope_parameters", None)
+    if not params:
+        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+    theta = float(params.get("rope_theta") or getattr(hf_config, "rope_theta", None) or 10000.0)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    scaling["rope_type"] = rope_type
+    scaling.setdefault(
+        "original_max_position_embeddings", getattr(hf_config, "max_position_embeddings", None)
+    )
+    return theta, scaling
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1 frequency scaling: keep high frequencies, divide low ones by ``factor``, blend in between."""
+    factor = float(scaling["factor"])
+    low_freq_factor = float(scaling["low_freq_factor"])
+    high_freq_factor = float(scaling["high_freq_factor"])
+    old_context_len = float(scaling["original_max_position_embeddings"])
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq  # [rotary_dim // 2]
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, blended, out)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates the first ``rotary_dim`` features of q and k by position.
+
+    The cos/sin table is a float32 buffer ``[max_position, rotary_dim]`` (``[cos | sin]``, each half
+    ``rotary_dim // 2`` wide); rotation runs in float32 and is cast back to the input dtype.
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        base: float = 10000.0,
+        rope_scaling: dict[str, Any] | None = None,
+        rotary_dim: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.rotary_dim = rotary_dim or head_dim
+        exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.float32) / self.rotary_dim
+        inv_freq = 1.0 / (base**exponents)  # [rotary_dim // 2]
+        rope_type = (rope_scaling or {}).get("rope_type", "default")
+        if rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
+        elif rope_type == "linear":
+            inv_freq = inv_freq / float(rope_scaling["factor"])
+        elif rope_type != "default":
+            raise ValueError(f"unsupported rope type {rope_type!r}; supported: default, linear, llama3")
+        t = torch.arange(max_position, dtype=torch.float32)  # [max_position]
+        freqs = torch.outer(t, inv_freq)  # [max_position, rotary_dim // 2]
+        cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [max_position, rotary_dim]
+        self.register_buffer("cos_sin_cache", cos_sin, persistent=False)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [T, heads, head_dim]; cos, sin: [T, 1, rotary_dim // 2]
+        rot = x[..., : self.rotary_dim].float()
+        x1, x2 = rot.chunk(2, dim=-1)  # [T, heads, rotary_dim // 2] each
+        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+        if self.rotary_dim == self.head_dim:
+            return rotated
+        return torch.cat([rotated, x[..., self.rotary_dim :]], dim=-1)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [T]
+        query: torch.Tensor,  # [T, num_heads, head_dim]
+        key: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos_sin = self.cos_sin_cache[positions]  # [T, rotary_dim]
+        cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # [T, 1, rotary_dim // 2] each
+        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+
+
+def get_rope(
+    head_dim: int, max_position: int, base: float = 10000.0, rope_scaling: dict[str, Any] | None = None
+) -> RotaryEmbedding:
+    return RotaryEmbedding(head_dim, max_position, base, rope_scaling)

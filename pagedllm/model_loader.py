@@ -1,0 +1,151 @@
+"""Build a model from its HF config and fill its weights (safetensors checkpoint or dummy values).
+
+Loading is strict: every checkpoint tensor must land in a parameter (or shard of a fused one) and every
+parameter must be filled completely, else ``ValueError`` listing the offending names. Checkpoint names are
+mapped to our parameters through the model's ``packed_modules_mapping`` (``q_proj`` -> shard 0 of
+``qkv_proj``, ...). Parameters shared by two names (tied ``lm_head``/``embed_tokens``) load from either.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from pagedllm.attention.base import AttentionBackend
+from pagedllm.config import ModelConfig
+from pagedllm.layers.linear import default_weight_loader
+from pagedllm.models.registry import get_model_class
+
+# Checkpoint tensors that are derived state, not weights: skipped silently.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def get_model(model_config: ModelConfig, device: torch.device, attn_backend: AttentionBackend) -> nn.Module:
+    """Instantiate ``hf_config.architectures[0]`` in ``model_config.dtype`` on ``device``, load weights, eval()."""
+    hf_config = model_config.hf_config
+    architectures = getattr(hf_config, "architectures", None) or []
+    if not architectures:
+        raise ValueError("the model config names no architecture (config.json 'architectures' is empty)")
+    model_cls = get_model_class(architectures[0])
+    with _default_dtype(model_config.dtype), torch.device(device):
+        model = model_cls(hf_config, attn_backend)
+    if model_config.load_format == "dummy":
+        init_dummy_weights(model, model_config.seed)
+    else:
+        load_weights(model, iter_safetensors(model_config.model_path))
+    return model.eval()
+
+
+def safetensors_files(model_path: str) -> list[str]:
+    """The checkpoint files: those named by ``model.safetensors.index.json``, else every ``*.safetensors``."""
+    index_path = os.path.join(model_path, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = [os.path.join(model_path, name) for name in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {model_path!r}")
+    return files
+
+
+def iter_safetensors(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, cpu tensor)`` one tensor at a time, file by file."""
+    from safetensors import safe_open
+
+    for path in safetensors_files(model_path):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                yield name, f.get_tensor(name)
+
+
+def _param_aliases(model: nn.Module) -> tuple[dict[str, nn.Parameter], dict[str, str]]:
+    """``(canonical name -> parameter, any name -> canonical name)``; tied parameters have two names."""
+    params = dict(model.named_parameters())
+    canonical_by_id = {id(p): name for name, p in params.items()}
+    aliases = {name: canonical_by_id[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
+    return params, aliases
+
+
+def _map_name(name: str, packed: dict[str, list[str]]) -> tuple[str, int | None]:
+    """Checkpoint name -> (our parameter name, shard index or None)."""
+    parts = name.split(".")
+    for fused, sources in packed.items():
+        for shard_id, source in enumerate(sources):
+            if source in parts[:-1]:
+                parts[parts.index(source)] = fused
+                return ".".join(parts), shard_id
+    return name, None
+
+
+def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Copy checkpoint tensors into ``model``; ``ValueError`` on unexpected, missing or mis-shaped ones."""
+    params, aliases = _param_aliases(model)
+    packed = getattr(model, "packed_modules_mapping", {})
+    loaded: dict[str, set[int | None]] = {}  # canonical name -> shards filled
+    unexpected: list[str] = []
+    for ckpt_name, tensor in weights:
+        if ckpt_name.endswith(_IGNORED_SUFFIXES):
+            continue
+        name, shard_id = _map_name(ckpt_name, packed)
+        canonical = aliases.get(name)
+        if canonical is None:
+            unexpected.append(ckpt_name)
+            continue
+        param = params[canonical]
+        num_shards = getattr(param, "num_shards", None)
+        try:
+            if shard_id is not None:
+                param.weight_loader(param, tensor, shard_id)
+                shards = {shard_id}
+            elif num_shards is not None:  # the checkpoint already holds the fused tensor
+                default_weight_loader(param, tensor)
+                shards = set(range(num_shards))
+            else:
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+                shards = {None}
+        except ValueError as e:
+            raise ValueError(f"cannot load checkpoint tensor {ckpt_name!r} into {canonical!r}: {e}") from e
+        loaded.setdefault(canonical, set()).update(shards)
+    missing = []
+    for name, param in params.items():
+        num_shards = getattr(param, "num_shards", None)
+        expected = {None} if num_shards is None else set(range(num_shards))
+        if loaded.get(name, set()) != expected:
+            missing.append(name)
+    if unexpected or missing:
+        raise ValueError(
+            "checkpoint does not match the model: "
+            f"unexpected keys {sorted(unexpected)}; missing (or partly loaded) parameters {sorted(missing)}"
+        )
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
+    """Random weights, deterministic per ``seed`` and device: N(0, std) matrices, zero biases, unit norms."""
+    generators: dict[torch.device, torch.Generator] = {}
+    for name, param in model.named_parameters():
+        if param.dim() == 1:
+            param.fill_(1.0 if "norm" in name else 0.0)
+            continue
+        gen = generators.get(param.device)
+        if gen is None:
+            gen = generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+        param.normal_(0.0, std, generator=gen)

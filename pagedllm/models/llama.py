@@ -1,0 +1,188 @@
+"""Llama-family decoder models: Llama (2, 3, 3.1 rope scaling), Mistral, Qwen2 (= Llama + q/k/v bias).
+
+Variants differ only in their attention block (``attention_cls``); everything else is shared.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.attention.base import AttentionBackend, AttentionMetadata
+from pagedllm.layers.activation import get_act_and_mul
+from pagedllm.layers.attention import Attention
+from pagedllm.layers.embedding import LMHead, VocabEmbedding
+from pagedllm.layers.linear import Linear, MergedLinear, QKVLinear
+from pagedllm.layers.norm import RMSNorm
+from pagedllm.layers.rotary import RotaryEmbedding, get_rope, rope_config
+
+
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self, config: Any, layer_idx: int, attn_backend: AttentionBackend, rotary_emb: RotaryEmbedding
+    ) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim_of(config)
+        qkv_bias, o_bias = self.biases(config)
+        self.qkv_proj = QKVLinear(
+            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias
+        )
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, o_bias)
+        self.rotary_emb = rotary_emb  # shared by all layers
+        self.attn = Attention(
+            self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, attn_backend, layer_idx
+        )
+
+    @staticmethod
+    def biases(config: Any) -> tuple[bool, bool]:
+        """Whether ``(qkv_proj, o_proj)`` have a bias."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return bias, bias
+
+    def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hook run on per-head q/k before RoPE; Llama has none."""
+        return q, k
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [T]
+        hidden: torch.Tensor,  # [T, hidden_size]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden_size]
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)  # [T, (num_heads + 2 * num_kv_heads) * head_dim]
+        q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, num_heads, head_dim]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, num_kv_heads, head_dim]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, num_kv_heads, head_dim]
+        q, k = self.qk_norm(q, k)
+        q, k = self.rotary_emb(positions, q, k)
+        o = self.attn(q, k, v, kv_cache, attn_metadata)  # [T, num_heads, head_dim]
+        return self.o_proj(o.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class Qwen2Attention(LlamaAttention):
+    @staticmethod
+    def biases(config: Any) -> tuple[bool, bool]:
+        return True, False
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        bias = bool(getattr(config, "mlp_bias", False))
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias)
+        self.act_fn = get_act_and_mul(config.hidden_act)
+        self.down_proj = Linear(inter, config.hidden_size, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden_size] -> [T, hidden_size]
+        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate_size]
+        return self.down_proj(self.act_fn(gate_up))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: Any,
+        layer_idx: int,
+        attn_backend: AttentionBackend,
+        rotary_emb: RotaryEmbedding,
+        attention_cls: type[LlamaAttention],
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = attention_cls(config, layer_idx, attn_backend, rotary_emb)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [T]
+        hidden: torch.Tensor,  # [T, hidden_size]
+        residual: torch.Tensor | None,  # [T, hidden_size]; None for the first layer
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        attn_metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (hidden, residual), each [T, hidden_size]
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, attn_metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self, config: Any, attn_backend: AttentionBackend, attention_cls: type[LlamaAttention]
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        theta, rope_scaling = rope_config(config)
+        rotary_emb = get_rope(head_dim_of(config), config.max_position_embeddings, theta, rope_scaling)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, attn_backend, rotary_emb, attention_cls)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden_size]
+        hidden = self.embed_tokens(input_ids)  # [T, hidden_size]
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    attention_cls: type[LlamaAttention] = LlamaAttention
+    # fused parameter -> checkpoint modules stacked into it, in shard order
+    packed_modules_mapping: dict[str, list[str]] = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+
+    def __init__(self, config: Any, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, attn_backend, self.attention_cls)
+        tied = self.model.embed_tokens if getattr(config, "tie_word_embeddings", False) else None
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden_size]
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden_size] -> [N, vocab] float32
+        return self.lm_head(hidden)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Same weights and math as Llama. (Sliding-window attention is not applied.)"""
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    attention_cls = Qwen2Attention

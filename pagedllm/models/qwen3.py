@@ -1,0 +1,32 @@
+"""Qwen3: Llama layout plus RMSNorm over each head's q and k before RoPE."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pagedllm.attention.base import AttentionBackend
+from pagedllm.layers.norm import RMSNorm
+from pagedllm.layers.rotary import RotaryEmbedding
+from pagedllm.models.llama import LlamaAttention, LlamaForCausalLM
+
+
+class Qwen3Attention(LlamaAttention):
+    def __init__(
+        self, config: Any, layer_idx: int, attn_backend: AttentionBackend, rotary_emb: RotaryEmbedding
+    ) -> None:
+        super().__init__(config, layer_idx, attn_backend, rotary_emb)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)  # [head_dim] weight, shared by heads
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def qk_norm(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.q_norm(q), self.k_norm(k)
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    attention_cls = Qwen3Attention

@@ -1,0 +1,32 @@
+"""HF architecture name -> model class, imported on first use."""
+
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+# architecture name in config.json -> (module under pagedllm.models, class name)
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "MistralForCausalLM"),
+    "Qwen2ForCausalLM": ("llama", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model_class(architecture: str, import_module: bool = True) -> type[nn.Module] | None:
+    """The class for ``architecture``; ``ValueError`` naming the supported ones when it is unknown."""
+    if architecture not in _MODELS:
+        raise ValueError(
+            f"unsupported model architecture {architecture!r}; supported: {', '.join(supported_architectures())}"
+        )
+    if not import_module:
+        return None
+    module_name, class_name = _MODELS[architecture]
+    module = importlib.import_module(f"pagedllm.models.{module_name}")
+    return getattr(module, class_name)

@@ -1,0 +1,36 @@
+"""Session-wide fixtures: tiny checkpoints built once; ``gpu`` tests skipped without CUDA."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+_ROOT = str(Path(__file__).resolve().parents[1])
+if _ROOT not in sys.path:  # so `from tests.utils import ...` works under plain `pytest` too
+    sys.path.insert(0, _ROOT)
+
+from tests.utils import TINY_ARCHS, make_tiny_model  # noqa: E402
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """arch -> directory of a tiny HF checkpoint, for every arch in ``TINY_ARCHS`` (untied, one file)."""
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {arch: make_tiny_model(arch, root / arch) for arch in TINY_ARCHS}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_model_dirs: dict[str, str]) -> str:
+    return tiny_model_dirs["llama"]

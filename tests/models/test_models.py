@@ -1,0 +1,253 @@
+"""Our models vs HF transformers on tiny random checkpoints (float32, CPU, torch attention backend)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pagedllm.attention.base import AttentionMetadata
+from pagedllm.attention.torch_ref import TorchAttentionBackend
+from pagedllm.config import ModelConfig
+from pagedllm.model_loader import get_model
+from tests.utils import hf_greedy, hf_logprobs, make_tiny_model
+
+ATOL = 1e-4
+BLOCK_SIZE = 4
+
+# variant -> (arch, make_tiny_model options); the plain archs come from the session fixture
+VARIANTS = {
+    "llama": ("llama", {}),
+    "llama3": ("llama3", {}),
+    "mistral": ("mistral", {}),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {}),
+    "llama-tied": ("llama", {"tie_word_embeddings": True}),
+    "qwen3-tied": ("qwen3", {"tie_word_embeddings": True}),
+    "qwen2-sharded": ("qwen2", {"shard": True}),
+}
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def model_dir(request, tiny_model_dirs, tmp_path_factory) -> str:
+    arch, options = VARIANTS[request.param]
+    if not options:
+        return tiny_model_dirs[arch]
+    path = make_tiny_model(arch, tmp_path_factory.mktemp(request.param), **options)
+    if options.get("shard"):
+        assert (Path(path) / "model.safetensors.index.json").is_file()
+    return path
+
+
+def load_ours(path: str, **kwargs) -> tuple[torch.nn.Module, ModelConfig]:
+    model_config = ModelConfig(model=path, dtype="float32", **kwargs)
+    model = get_model(model_config, torch.device("cpu"), TorchAttentionBackend())
+    return model, model_config
+
+
+@torch.inference_mode()
+def hf_logits(path: str, token_ids: list[int]) -> torch.Tensor:  # [len, vocab]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return model(torch.tensor([token_ids])).logits[0].float()
+
+
+class PagedRunner:
+    """A minimal stand-in for the model runner: scattered blocks per request, hand-built metadata."""
+
+    def __init__(self, model, model_config: ModelConfig, num_blocks: int = 64, num_pad: int = 0) -> None:
+        self.model = model
+        self.num_pad = num_pad  # padding tokens appended to each step (slot -1)
+        self.kv_caches = [
+            torch.zeros(2, num_blocks, BLOCK_SIZE, model_config.num_kv_heads, model_config.head_dim)
+            for _ in range(model_config.num_layers)
+        ]  # each [2, num_blocks, block_size, num_kv_heads, head_dim]
+        self.free_blocks = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
+        self.block_ids: dict[int, list[int]] = {}
+        self.num_computed: dict[int, int] = {}
+
+    @torch.inference_mode()
+    def step(self, chunks: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+        """Run each request's next tokens in one flattened forward; its logits [len(chunk), vocab]."""
+        input_ids, positions, slots, query_start_loc, seq_lens = [], [], [], [0], []
+        for req_id, chunk in chunks.items():
+            start = self.num_computed.get(req_id, 0)
+            end = start + len(chunk)
+            blocks = self.block_ids.setdefault(req_id, [])
+            while len(blocks) * BLOCK_SIZE < end:
+                blocks.append(self.free_blocks.pop())
+            for pos in range(start, end):
+                slots.append(blocks[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
+            input_ids += chunk
+            positions += range(start, end)
+            query_start_loc.append(query_start_loc[-1] + len(chunk))
+            seq_lens.append(end)
+            self.num_computed[req_id] = end
+        num_tokens = len(input_ids)
+        input_ids += [0] * self.num_pad
+        positions += [0] * self.num_pad
+        slots += [-1] * self.num_pad
+        max_blocks = max(len(self.block_ids[r]) for r in chunks)
+        block_table = torch.full((len(chunks), max_blocks), 0, dtype=torch.int32)  # [num_reqs, max_blocks]
+        for i, req_id in enumerate(chunks):
+            block_table[i, : len(self.block_ids[req_id])] = torch.tensor(self.block_ids[req_id])
+        query_lens = [len(c) for c in chunks.values()]
+        metadata = AttentionMetadata(
+            num_reqs=len(chunks),
+            num_tokens=num_tokens,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_table=block_table,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            query_start_loc_cpu=torch.tensor(query_start_loc, dtype=torch.int32),
+            seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int32),
+            is_pure_decode=all(n == 1 for n in query_lens),
+        )
+        hidden = self.model(
+            torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, metadata
+        )  # [num_tokens + num_pad, hidden]
+        logits = self.model.compute_logits(hidden[:num_tokens])  # [num_tokens, vocab]
+        assert logits.dtype == torch.float32
+        return {r: logits[query_start_loc[i] : query_start_loc[i + 1]] for i, r in enumerate(chunks)}
+
+
+def random_prompt(length: int, vocab_size: int, seed: int) -> list[int]:
+    return torch.randint(3, vocab_size, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_ragged_prefill_matches_hf(model_dir: str) -> None:
+    model, model_config = load_ours(model_dir)
+    prompts = [random_prompt(n, model_config.vocab_size, seed=n) for n in (5, 17, 9)]
+    out = PagedRunner(model, model_config).step(dict(enumerate(prompts)))
+    for i, prompt in enumerate(prompts):
+        torch.testing.assert_close(out[i], hf_logits(model_dir, prompt), atol=ATOL, rtol=0)
+
+
+def test_chunked_decode_matches_hf(model_dir: str) -> None:
+    model, model_config = load_ours(model_dir)
+    seqs = {
+        0: random_prompt(19, model_config.vocab_size, seed=1),
+        1: random_prompt(13, model_config.vocab_size, 2),
+    }
+    # chunk sizes per step: prefix chunks, then mixed chunk + decode steps, then single-token decode
+    schedule = {0: [7, 5, 1, 3, 1, 1, 1], 1: [5, 1, 4, 1, 1, 1]}
+    expected = {r: hf_logits(model_dir, seq) for r, seq in seqs.items()}
+    runner = PagedRunner(model, model_config, num_pad=2)
+    done = {r: 0 for r in seqs}
+    for step in range(max(len(s) for s in schedule.values())):
+        chunks = {}
+        for r, sizes in schedule.items():
+            if step < len(sizes):
+                chunks[r] = seqs[r][done[r] : done[r] + sizes[step]]
+        out = runner.step(chunks)
+        for r, chunk in chunks.items():
+            torch.testing.assert_close(out[r], expected[r][done[r] : done[r] + len(chunk)], atol=ATOL, rtol=0)
+            done[r] += len(chunk)
+    assert done == {r: len(s) for r, s in seqs.items()}
+
+
+# --- loader ---------------------------------------------------------------------------------------
+
+
+def _edit_checkpoint(src: str, dst: Path, edit) -> str:
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return str(dst)
+
+
+def test_missing_key_fails(tiny_llama: str, tmp_path: Path) -> None:
+    path = _edit_checkpoint(
+        tiny_llama, tmp_path / "m", lambda t: t.pop("model.layers.1.self_attn.k_proj.weight")
+    )
+    with pytest.raises(ValueError, match=r"missing.*model\.layers\.1\.self_attn\.qkv_proj\.weight"):
+        load_ours(path)
+
+
+def test_unexpected_key_fails(tiny_llama: str, tmp_path: Path) -> None:
+    def add(tensors):
+        tensors["model.layers.0.mlp.extra_proj.weight"] = torch.zeros(2, 2)
+
+    path = _edit_checkpoint(tiny_llama, tmp_path / "m", add)
+    with pytest.raises(ValueError, match=r"unexpected.*extra_proj"):
+        load_ours(path)
+
+
+def test_shape_mismatch_fails(tiny_llama: str, tmp_path: Path) -> None:
+    def shrink(tensors):
+        tensors["model.norm.weight"] = tensors["model.norm.weight"][:-1].clone()
+
+    path = _edit_checkpoint(tiny_llama, tmp_path / "m", shrink)
+    with pytest.raises(ValueError, match="model.norm.weight"):
+        load_ours(path)
+
+
+def test_rotary_inv_freq_is_ignored(tiny_llama: str, tmp_path: Path) -> None:
+    def add(tensors):
+        tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+
+    load_ours(_edit_checkpoint(tiny_llama, tmp_path / "m", add))
+
+
+def test_unsupported_architecture(tiny_llama: str, tmp_path: Path) -> None:
+    path = tmp_path / "m"
+    shutil.copytree(tiny_llama, path)
+    config = json.loads((path / "config.json").read_text())
+    config["architectures"] = ["FancyForCausalLM"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"FancyForCausalLM.*LlamaForCausalLM.*Qwen3ForCausalLM"):
+        load_ours(str(path))
+
+
+def test_dummy_weights_finite_and_seeded(tiny_model_dirs: dict[str, str]) -> None:
+    path = tiny_model_dirs["qwen3"]
+
+    def logits(seed: int) -> torch.Tensor:
+        model, model_config = load_ours(path, load_format="dummy", seed=seed)
+        return PagedRunner(model, model_config).step({0: list(range(3, 12))})[0]
+
+    a, b, c = logits(0), logits(0), logits(1)
+    assert torch.isfinite(a).all()
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+
+
+def test_bfloat16_close_to_float32(tiny_llama: str) -> None:
+    model, model_config = load_ours(tiny_llama)
+    model_bf16 = get_model(
+        ModelConfig(model=tiny_llama, dtype="bfloat16"), torch.device("cpu"), TorchAttentionBackend()
+    )
+    assert next(model_bf16.parameters()).dtype == torch.bfloat16
+    prompt = random_prompt(10, model_config.vocab_size, seed=3)
+    ref = PagedRunner(model, model_config).step({0: prompt})[0]
+    runner = PagedRunner(model_bf16, model_config)
+    runner.kv_caches = [c.bfloat16() for c in runner.kv_caches]
+    out = runner.step({0: prompt})[0]
+    assert (out - ref).abs().max() < 0.25 * ref.abs().max()
+
+
+# --- the shared tiny-model oracles (tests/utils.py) -------------------------------------------------
+
+
+def test_hf_greedy_is_varied_and_ignores_eos(tiny_llama: str, tmp_path: Path) -> None:
+    prompt = random_prompt(6, 400, seed=4)
+    out = hf_greedy(tiny_llama, [prompt], 16)[0]
+    assert len(out) == 16 and len(set(out)) > 4  # not stuck on one token
+    # make the 4th generated token the EOS: generation must still run to max_new_tokens
+    path = tmp_path / "m"
+    shutil.copytree(tiny_llama, path)
+    for name in ("config.json", "generation_config.json"):
+        cfg = json.loads((path / name).read_text())
+        cfg["eos_token_id"] = out[3]
+        (path / name).write_text(json.dumps(cfg))
+    assert hf_greedy(path, [prompt], 16)[0] == out
+    logprobs = hf_logprobs(tiny_llama, prompt + out)  # [len, vocab]
+    assert logprobs[len(prompt) - 1 : -1].argmax(-1).tolist() == out

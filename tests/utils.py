@@ -1,0 +1,273 @@
+"""Shared test fixtures: a tiny in-process tokenizer, tiny HF checkpoints, and HF-transformers oracles.
+
+Everything here is deterministic and CPU-only so any test can build and compare against it in seconds.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedTokenizerFast
+
+# ~4 KB of English and code: enough for byte-level BPE to learn a few hundred merges.
+_TRAINING_TEXT = '''
+The quick brown fox jumps over the lazy dog. A paged key-value cache splits each sequence into fixed-size
+blocks, so memory is allocated on demand and shared between requests that start with the same prompt.
+Continuous batching lets new requests join the running batch at every step instead of waiting for the
+slowest sequence to finish. The scheduler decides which requests run, how many tokens each one computes,
+and which ones must be preempted when the cache runs out of free blocks.
+Once upon a time there was a little robot who loved to count. Every morning it counted the birds on the
+roof, the clouds in the sky, and the steps from the door to the garden. One day it met a cat who could not
+count at all, so the robot taught the cat the numbers one, two, three, four, five, six, seven, eight, nine
+and ten. The cat was happy, and the two of them counted the stars together every night.
+Hello, how are you today? I am fine, thank you. What is the capital of France? The capital of France is
+Paris. What is two plus two? Two plus two is four. Please write a short poem about the sea. The sea is wide
+and the sea is blue, it sings all day and all night too.
+You are a helpful assistant. Answer the question in one sentence. The user asked about the weather, and
+the assistant said that it would be sunny in the morning and rainy in the afternoon.
+
+def fibonacci(n: int) -> int:
+    """Return the n-th Fibonacci number."""
+    a, b = 0, 1
+    for _ in range(n):
+        a, b = b, a + b
+    return a
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int) -> None:
+        self.free_blocks = list(range(num_blocks))
+        self.ref_counts = [0] * num_blocks
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self.free_blocks):
+            raise ValueError("out of blocks")
+        blocks, self.free_blocks = self.free_blocks[:n], self.free_blocks[n:]
+        for block_id in blocks:
+            self.ref_counts[block_id] += 1
+        return blocks
+
+    def free(self, blocks: list[int]) -> None:
+        for block_id in blocks:
+            self.ref_counts[block_id] -= 1
+            if self.ref_counts[block_id] == 0:
+                self.free_blocks.append(block_id)
+
+
+import torch
+
+def attention(q, k, v, scale):
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    mask = torch.ones_like(scores, dtype=torch.bool).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+for i in range(10):
+    if i % 2 == 0:
+        print(f"{i} is even")
+    else:
+        print(f"{i} is odd")
+
+numbers = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
+print(sorted(numbers), sum(numbers), max(numbers), min(numbers))
+result = {"name": "pagedllm", "version": "0.1.0", "tokens": [1, 2, 3], "ok": True}
+'''
+
+_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role: ' + message['role']) }}"
+    "{% endif %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+BOS, EOS, PAD = "<s>", "</s>", "<pad>"
+TINY_ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3")
+
+
+@functools.lru_cache(maxsize=1)
+def _tiny_tokenizer_json() -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        min_frequency=2,
+        special_tokens=[BOS, EOS, PAD],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([_TRAINING_TEXT], trainer=trainer)
+    bos_id = tok.token_to_id(BOS)
+    # Like Llama: plain encode() prepends <s>; the chat template writes it itself.
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
+    )
+    return tok.to_str()
+
+
+def train_tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE (~400 tokens) with ``<s>``/``</s>``/``<pad>`` and a chat template.
+
+    Training runs once per process; each call returns a fresh wrapper, so callers may modify it.
+    Encoding adds ``<s>`` in front (``add_special_tokens=False`` to skip it).
+    """
+    from tokenizers import Tokenizer
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(_tiny_tokenizer_json()),
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+    )
+    tokenizer.chat_template = _CHAT_TEMPLATE
+    return tokenizer
+
+
+def _tiny_config(arch: str, vocab_size: int, bos_id: int, eos_id: int, pad_id: int, **overrides):
+    import transformers
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=512,
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        rms_norm_eps=1e-6,
+        hidden_act="silu",
+        tie_word_embeddings=False,
+    )
+    theta = 10000.0
+    rope_scaling = None
+    if arch in ("llama", "mistral", "qwen2"):
+        cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[arch]
+    elif arch == "llama3":
+        cls = LlamaConfig
+        theta = 500000.0
+        # original context 64 with head_dim 16: some frequencies kept, some blended, most divided by 8
+        rope_scaling = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+    elif arch == "qwen3":
+        cls = Qwen3Config
+        common["head_dim"] = 32  # != hidden_size / num_heads, as in real Qwen3 models
+    else:
+        raise ValueError(f"unknown tiny arch {arch!r}; choose from {TINY_ARCHS}")
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        common["rope_parameters"] = {"rope_type": "default", **(rope_scaling or {}), "rope_theta": theta}
+    else:
+        common["rope_theta"] = theta
+        common["rope_scaling"] = rope_scaling
+    common.update(overrides)
+    return cls(**common)
+
+
+def make_tiny_model(
+    arch: str,
+    path: str | Path,
+    *,
+    tie_word_embeddings: bool | None = None,
+    shard: bool = False,
+    **config_overrides,
+) -> str:
+    """Save a tiny random HF checkpoint (+ tokenizer) of ``arch`` to ``path``; return the directory.
+
+    ``arch``: llama, llama3 (llama3 rope scaling), mistral, qwen2 (qkv bias), qwen3 (q/k norm, head_dim 32).
+    hidden 64, 2 layers, 4 heads, 2 kv heads, intermediate 128, 512 positions, vocab = tokenizer size.
+    Weights are seeded (same arch + options -> same weights) and larger than HF's init (std 0.15, norm
+    weights around 1, random biases) so greedy generation moves around instead of repeating one token.
+    ``shard=True`` saves several safetensors files plus ``model.safetensors.index.json``.
+    """
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    tokenizer = train_tiny_tokenizer()
+    if tie_word_embeddings is not None:
+        config_overrides["tie_word_embeddings"] = tie_word_embeddings
+    config = _tiny_config(
+        arch,
+        len(tokenizer),
+        tokenizer.bos_token_id,
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+        **config_overrides,
+    )
+    seed = sum(arch.encode())  # a different (fixed) set of weights per arch
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=gen)
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.1 * noise)
+            elif name.endswith(".bias"):
+                param.copy_(0.1 * noise)
+            else:
+                param.copy_(0.15 * noise)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, max_shard_size="100KB" if shard else "50GB")
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def _load_hf(path: str | Path):
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def hf_greedy(path: str | Path, prompts_token_ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers greedy decoding (float32, one prompt at a time, EOS ignored): exactly
+    ``max_new_tokens`` new token ids per prompt."""
+    from transformers import GenerationConfig
+
+    model = _load_hf(path)
+    model.generation_config.eos_token_id = None  # else generate() merges the checkpoint's eos back in
+    gen_config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=model.config.pad_token_id,
+    )
+    outputs = []
+    for token_ids in prompts_token_ids:
+        input_ids = torch.tensor([token_ids], dtype=torch.long)  # [1, prompt_len]
+        out = model.generate(
+            input_ids=input_ids, attention_mask=torch.ones_like(input_ids), generation_config=gen_config
+        )  # [1, prompt_len + max_new_tokens]
+        new_tokens = out[0, len(token_ids) :].tolist()
+        assert len(new_tokens) == max_new_tokens, (len(new_tokens), max_new_tokens)
+        outputs.append(new_tokens)
+    return outputs
+
+
+@torch.inference_mode()
+def hf_logprobs(path: str | Path, token_ids: list[int]) -> torch.Tensor:
+    """``log_softmax`` of transformers' float32 logits for ``token_ids``: ``[len(token_ids), vocab_size]``."""
+    model = _load_hf(path)
+    logits = model(torch.tensor([token_ids], dtype=torch.long)).logits[0]  # [len, vocab_size]
+    return torch.log_softmax(logits.float(), dim=-1)
