@@ -68,9 +68,12 @@ def _paged_attention(
         v = v.to(acc_dtype).repeat_interleave(group, dim=1).transpose(0, 1)  # [num_heads, seq_len, head_dim]
         q = query[q_start:q_end].to(acc_dtype).transpose(0, 1)  # [num_heads, query_len, head_dim]
         # Query i sits at position seq_len - query_len + i and sees keys at positions <= it.
-        q_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)  # [query_len]
-        k_pos = torch.arange(seq_len, device=query.device)  # [seq_len]
-        mask = k_pos[None, :] <= q_pos[:, None]  # [query_len, seq_len], True = attend
+        if query_len == 1:  # a decode sees the whole context: no mask needed
+            mask = None
+        else:
+            q_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)  # [query_len]
+            k_pos = torch.arange(seq_len, device=query.device)  # [seq_len]
+            mask = k_pos[None, :] <= q_pos[:, None]  # [query_len, seq_len], True = attend
         o = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=scale
         )  # [num_heads, query_len, head_dim]

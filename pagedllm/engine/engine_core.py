@@ -33,6 +33,7 @@ class EngineCore:
                 "cache more memory (gpu_memory_utilization, kv_cache_memory_bytes, num_gpu_blocks_override)"
             )
         self.runner.init_kv_cache(num_blocks)
+        self.runner.maybe_capture_cuda_graphs()
         self.kv_cache_manager = KVCacheManager(
             num_blocks, block_size, config.cache_config.enable_prefix_caching
         )

@@ -16,6 +16,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from pagedllm.sample.metadata import build_sampling_metadata
 from pagedllm.sample.sampler import Sampler, compute_logprobs_topk
+from pagedllm.worker.cuda_graphs import CudaGraphRunner
 from pagedllm.worker.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ class ModelRunner:
         )
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
+        self.graph_runner: CudaGraphRunner | None = None
 
     # ------------------------------------------------------------------ KV cache sizing
 
@@ -148,6 +150,20 @@ class ModelRunner:
         ]
         self.num_blocks = num_blocks
 
+    def maybe_capture_cuda_graphs(self) -> None:
+        """Capture decode graphs unless eager mode was asked for or the backend cannot be captured."""
+        if self.config.enforce_eager or self.device.type != "cuda" or self.attn_backend.name != "triton":
+            return
+        self.graph_runner = CudaGraphRunner(
+            self.model,
+            self.kv_caches,
+            self.max_num_reqs,
+            self.max_blocks_per_req,
+            self.max_model_len,
+            self.device,
+        )
+        self.graph_runner.capture()
+
     # ------------------------------------------------------------------ one step
 
     def _update_batch(self, sched: SchedulerOutput) -> None:
@@ -188,27 +204,31 @@ class ModelRunner:
         block_table = batch.block_table_np[rows, :max_blocks]  # [num_reqs, max_blocks]
 
         dev = self.device
-        qsl_cpu = torch.from_numpy(cu.astype(np.int32))
-        seq_lens_cpu = torch.from_numpy(seq_lens)
-        meta = AttentionMetadata(
-            num_reqs=len(req_ids),
-            num_tokens=num_tokens,
-            max_query_len=int(num_sched.max()),
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc=qsl_cpu.to(dev, non_blocking=True),
-            seq_lens=seq_lens_cpu.to(dev, non_blocking=True),
-            block_table=torch.from_numpy(np.ascontiguousarray(block_table)).to(dev, non_blocking=True),
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev, non_blocking=True),
-            query_start_loc_cpu=qsl_cpu,
-            seq_lens_cpu=seq_lens_cpu,
-            is_pure_decode=bool((num_sched == 1).all()),
-        )
-        hidden = self.model(
-            torch.from_numpy(input_ids).to(dev, non_blocking=True),
-            torch.from_numpy(positions).to(dev, non_blocking=True),
-            self.kv_caches,
-            meta,
-        )  # [num_tokens, hidden_size]
+        is_pure_decode = bool((num_sched == 1).all())
+        if self.graph_runner is not None and is_pure_decode and len(req_ids) <= self.graph_runner.max_bs:
+            hidden = self.graph_runner.run(input_ids, positions, slot_mapping, seq_lens, block_table)
+        else:
+            qsl_cpu = torch.from_numpy(cu.astype(np.int32))
+            seq_lens_cpu = torch.from_numpy(seq_lens)
+            meta = AttentionMetadata(
+                num_reqs=len(req_ids),
+                num_tokens=num_tokens,
+                max_query_len=int(num_sched.max()),
+                max_seq_len=int(seq_lens.max()),
+                query_start_loc=qsl_cpu.to(dev, non_blocking=True),
+                seq_lens=seq_lens_cpu.to(dev, non_blocking=True),
+                block_table=torch.from_numpy(np.ascontiguousarray(block_table)).to(dev, non_blocking=True),
+                slot_mapping=torch.from_numpy(slot_mapping).to(dev, non_blocking=True),
+                query_start_loc_cpu=qsl_cpu,
+                seq_lens_cpu=seq_lens_cpu,
+                is_pure_decode=is_pure_decode,
+            )
+            hidden = self.model(
+                torch.from_numpy(input_ids).to(dev, non_blocking=True),
+                torch.from_numpy(positions).to(dev, non_blocking=True),
+                self.kv_caches,
+                meta,
+            )  # [num_tokens, hidden_size]
 
         # Which requests reach the end of their known tokens (and so produce one).
         sample_mask = (num_computed + num_sched) == batch.num_tokens_np[rows]  # [num_reqs]

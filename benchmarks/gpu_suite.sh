@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# One device call: GPU tests, then the benchmark table of issue 4 (pagedllm and transformers, same run).
+#   bash benchmarks/gpu_suite.sh [tests] [qwen-latency] [qwen-throughput] [qwen-nano] [llama-latency] [llama-throughput] [hf]
+# With no arguments it runs everything. Logs go to $OUT (or .out/) as bench_*.log and *.json.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
+out="${OUT:-.out}"; mkdir -p "$out"
+want() { [ ${#ARGS[@]} -eq 0 ] && return 0; for a in "${ARGS[@]}"; do [ "$a" = "$1" ] && return 0; done; return 1; }
+ARGS=("$@")
+py=python3
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
+$py -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+$py -m pagedllm.benchmarks.shapes "$out/models" >/dev/null
+Q="$out/models/qwen3-0.6b"; L="$out/models/llama-3.1-8b"
+common="--load-format dummy --max-model-len 4096 --gpu-memory-utilization 0.9"
+run() {  # name, command...
+  local name=$1; shift
+  echo "=== $name: $*"
+  local t0=$(date +%s)
+  "$@" 2>&1 | tee "$out/bench_$name.log" | grep -E "^(Throughput|Latency)|Error|error|Traceback" | head -20
+  echo "    ($(( $(date +%s) - t0 )) s)"
+}
+if want tests; then
+  echo "=== gpu tests"
+  $py -m pytest -q -m gpu tests/ -x -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -15
+fi
+if want qwen-latency; then
+  run qwen_lat $py -m pagedllm.benchmarks.latency --model $Q $common --batch-size 1 --input-len 128 --output-len 128 --num-iters-warmup 2 --num-iters 5 --output-json "$out/qwen_lat.json"
+  want hf && run qwen_lat_hf $py -m pagedllm.benchmarks.latency --backend hf --model $Q $common --batch-size 1 --input-len 128 --output-len 128 --num-iters-warmup 1 --num-iters 2
+fi
+if want qwen-nano; then
+  run qwen_nano $py -m pagedllm.benchmarks.throughput --model $Q $common --workload nanovllm --num-prompts 256 --output-json "$out/qwen_nano.json"
+fi
+if want qwen-throughput; then
+  run qwen_tp $py -m pagedllm.benchmarks.throughput --model $Q $common --num-prompts 1000 --input-len 1024 --output-len 128 --output-json "$out/qwen_tp.json"
+fi
+if want llama-latency; then
+  run llama_lat $py -m pagedllm.benchmarks.latency --model $L $common --batch-size 1 --input-len 128 --output-len 128 --num-iters-warmup 2 --num-iters 5 --output-json "$out/llama_lat.json"
+  want hf && run llama_lat_hf $py -m pagedllm.benchmarks.latency --backend hf --model $L $common --batch-size 1 --input-len 128 --output-len 128 --num-iters-warmup 1 --num-iters 2
+fi
+if want llama-throughput; then
+  run llama_tp $py -m pagedllm.benchmarks.throughput --model $L $common --num-prompts 1000 --input-len 1024 --output-len 128 --output-json "$out/llama_tp.json"
+  want hf && run llama_tp_hf $py -m pagedllm.benchmarks.throughput --backend hf --model $L $common --num-prompts 128 --input-len 1024 --output-len 128 --hf-max-batch-size 128
+fi

@@ -1,0 +1,142 @@
+"""CUDA graphs for pure-decode steps, captured once per padded batch size at start-up (GPU only).
+
+A decode step of ``n`` requests runs the graph captured for the smallest size ``>= n``. Everything the graph reads
+lives in static device buffers that each step overwrites in place::
+
+    input_ids[bs]  positions[bs]  slot_mapping[bs]  seq_lens[bs]  block_table[bs, max_blocks]  -> hidden[bs, H]
+
+Padding rows (n..bs) get slot -1 (their keys are never written) and a context of one token, so they read block 0
+harmlessly and their rows of ``hidden`` are ignored. The attention kernel's grid depends only on the batch size
+and on ``max_seq_len``, which is fixed at capture to ``max_model_len`` (the kernel reads each row's real length
+from ``seq_lens``), so one graph serves every context length.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from pagedllm.attention.base import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    sizes = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(288, 513, 32))
+    return [s for s in sizes if s <= max_num_seqs] or [1]
+
+
+class CudaGraphRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[torch.Tensor],
+        max_num_seqs: int,
+        max_blocks_per_req: int,
+        max_model_len: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.sizes = capture_sizes(max_num_seqs)
+        self.max_bs = self.sizes[-1]
+        self.max_model_len = max_model_len
+        self.device = device
+        bs = self.max_bs
+        # Static device buffers (the graphs' inputs).
+        self.input_ids = torch.zeros(bs, dtype=torch.long, device=device)  # [bs]
+        self.positions = torch.zeros(bs, dtype=torch.long, device=device)  # [bs]
+        self.slot_mapping = torch.full((bs,), -1, dtype=torch.long, device=device)  # [bs]
+        self.seq_lens = torch.ones(bs, dtype=torch.int32, device=device)  # [bs]
+        self.query_start_loc = torch.arange(bs + 1, dtype=torch.int32, device=device)  # [bs + 1]
+        self.block_table = torch.zeros(
+            bs, max_blocks_per_req, dtype=torch.int32, device=device
+        )  # [bs, max_blocks]
+        # Pinned host staging: ids, positions and slots in one int64 buffer, seq_lens and block table in int32.
+        self.host_i64 = torch.zeros(3, bs, dtype=torch.long, pin_memory=True)  # [3, bs]
+        self.host_i32 = torch.zeros(bs, 1 + max_blocks_per_req, dtype=torch.int32, pin_memory=True)
+        self.host_i64_np = self.host_i64.numpy()
+        self.host_i32_np = self.host_i32.numpy()
+        self.dev_i64 = torch.zeros(3, bs, dtype=torch.long, device=device)
+        self.dev_i32 = torch.zeros(bs, 1 + max_blocks_per_req, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    def _metadata(self, bs: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            num_reqs=bs,
+            num_tokens=bs,
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+            query_start_loc=self.query_start_loc[: bs + 1],
+            seq_lens=self.seq_lens[:bs],
+            block_table=self.block_table[:bs],
+            slot_mapping=self.slot_mapping[:bs],
+            query_start_loc_cpu=torch.arange(bs + 1, dtype=torch.int32),
+            seq_lens_cpu=torch.ones(bs, dtype=torch.int32),
+            is_pure_decode=True,
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
+            meta = self._metadata(bs)
+            args = (self.input_ids[:bs], self.positions[:bs], self.kv_caches, meta)
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up: Triton compilation and autotuning happen outside capture
+                    self.model(*args)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                self.outputs[bs] = self.model(*args)
+            self.graphs[bs] = graph
+        torch.cuda.synchronize(self.device)
+        logger.info(
+            "captured CUDA graphs for %d decode batch sizes (1..%d) in %.1f s",
+            len(self.sizes),
+            self.max_bs,
+            time.perf_counter() - start,
+        )
+
+    def padded_size(self, num_reqs: int) -> int | None:
+        for s in self.sizes:
+            if s >= num_reqs:
+                return s
+        return None
+
+    def run(
+        self,
+        input_ids: np.ndarray,  # [n] int64
+        positions: np.ndarray,  # [n] int64
+        slot_mapping: np.ndarray,  # [n] int64
+        seq_lens: np.ndarray,  # [n] int32
+        block_table: np.ndarray,  # [n, nb] int32
+    ) -> torch.Tensor:  # [n, hidden_size], a view of the graph's output (valid until the next replay)
+        n = input_ids.shape[0]
+        bs = self.padded_size(n)
+        nb = block_table.shape[1]
+        h64, h32 = self.host_i64_np, self.host_i32_np
+        h64[0, :n] = input_ids
+        h64[1, :n] = positions
+        h64[2, :n] = slot_mapping
+        h64[:2, n:bs] = 0
+        h64[2, n:bs] = -1
+        h32[:n, 0] = seq_lens
+        h32[n:bs, 0] = 1
+        h32[:n, 1 : 1 + nb] = block_table
+        h32[n:bs, 1:] = 0
+        self.dev_i64[:, :bs].copy_(self.host_i64[:, :bs], non_blocking=True)
+        self.dev_i32[:bs, : 1 + nb].copy_(self.host_i32[:bs, : 1 + nb], non_blocking=True)
+        self.input_ids[:bs].copy_(self.dev_i64[0, :bs])
+        self.positions[:bs].copy_(self.dev_i64[1, :bs])
+        self.slot_mapping[:bs].copy_(self.dev_i64[2, :bs])
+        self.seq_lens[:bs].copy_(self.dev_i32[:bs, 0])
+        self.block_table[:bs, :nb].copy_(self.dev_i32[:bs, 1 : 1 + nb])
+        self.graphs[bs].replay()
+        return self.outputs[bs][:n]

@@ -1,0 +1,113 @@
+"""The engine on a CUDA GPU: bf16 greedy output against transformers, with logprob tolerance; graphs vs eager."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+
+def _prompts(vocab: int, lengths=(5, 33, 17, 64, 2, 120)) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+@torch.inference_mode()
+def _hf_greedy_bf16(path: str, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    ids = list(prompt)
+    steps = []
+    for _ in range(n):
+        logits = model(torch.tensor([ids], device="cuda")).logits[0, -1].float()
+        steps.append(torch.log_softmax(logits, -1).cpu())
+        ids.append(int(logits.argmax()))
+    return ids[len(prompt) :], steps
+
+
+def _check_close(ours_ids, ours_lps, ref_ids, ref_lps, k: int = 5) -> None:
+    """vLLM's check_logprobs_close: up to the first divergence, equal; at it, each side's token is in the
+    other's top-k; after it, the sequences may differ."""
+    for j, (a, b) in enumerate(zip(ours_ids, ref_ids)):
+        if a == b:
+            continue
+        assert a in set(torch.topk(ref_lps[j], k).indices.tolist()), f"step {j}: our {a} not in HF top-{k}"
+        assert b in ours_lps[j], f"step {j}: HF {b} not in our top-{k}"
+        return
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_bf16_greedy_close_to_transformers(tiny_model_dirs, arch):
+    path = tiny_model_dirs[arch]
+    llm = LLM(path, dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3, max_model_len=512)
+    assert llm.llm_engine.engine_core.runner.attn_backend.name == "triton"
+    prompts = _prompts(llm.llm_engine.engine_core.vocab_size)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=5)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for p, out in zip(prompts, outs):
+        comp = out.outputs[0]
+        ref_ids, ref_lps = _hf_greedy_bf16(path, p, 16)
+        _check_close(comp.token_ids, [set(d) for d in comp.logprobs], ref_ids, ref_lps)
+    llm.llm_engine.check_integrity()
+
+
+def test_cuda_graphs_match_eager(tiny_model_dirs):
+    path = tiny_model_dirs["llama"]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    results = []
+    for eager in (True, False):
+        llm = LLM(
+            path,
+            dtype="float32",
+            device="cuda",
+            gpu_memory_utilization=0.3,
+            max_model_len=512,
+            enforce_eager=eager,
+            max_num_seqs=16,
+        )
+        runner = llm.llm_engine.engine_core.runner
+        assert (runner.graph_runner is None) == eager
+        prompts = _prompts(llm.llm_engine.engine_core.vocab_size)
+        results.append(
+            [
+                o.outputs[0].token_ids
+                for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            ]
+        )
+        del llm
+        torch.cuda.empty_cache()
+    assert results[0] == results[1]
+
+
+def test_triton_and_torch_backends_agree_fp32(tiny_model_dirs):
+    path = tiny_model_dirs["qwen2"]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    results = []
+    for backend in ("torch", "triton"):
+        llm = LLM(
+            path,
+            dtype="float32",
+            device="cuda",
+            gpu_memory_utilization=0.3,
+            max_model_len=512,
+            attention_backend=backend,
+            enforce_eager=True,
+            max_num_batched_tokens=64,
+            block_size=16,
+        )
+        prompts = _prompts(llm.llm_engine.engine_core.vocab_size)
+        results.append(
+            [
+                o.outputs[0].token_ids
+                for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            ]
+        )
+        del llm
+        torch.cuda.empty_cache()
+    assert results[0] == results[1]
