@@ -227,8 +227,12 @@ def make_engine_config(
         load_format=load_format,
         served_model_name=served_model_name,
     )
-    if dtype == "auto" and device_config.device.type == "cuda" and model_config.dtype == torch.float32:
-        model_config.dtype = torch.bfloat16
+    if dtype == "auto":
+        # As vLLM: float32 checkpoints run in bfloat16 on GPUs. On CPU half types are slow: use float32.
+        if device_config.device.type == "cuda" and model_config.dtype == torch.float32:
+            model_config.dtype = torch.bfloat16
+        elif device_config.device.type == "cpu":
+            model_config.dtype = torch.float32
     cache_config = CacheConfig(
         block_size=block_size,
         gpu_memory_utilization=gpu_memory_utilization,
