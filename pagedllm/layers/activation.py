@@ -6,11 +6,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.platform import use_fused_kernels
+
 
 class SiluAndMul(nn.Module):
     """``silu(gate) * up`` where the input holds ``[gate | up]`` along its last dimension."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., 2 * d] -> [..., d]
+        if x.dim() == 2 and use_fused_kernels(x):
+            from pagedllm.kernels.activation import silu_and_mul
+
+            return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)  # [..., d] each
         return F.silu(gate) * up
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedllm.platform import use_fused_kernels
+
 
 class RMSNorm(nn.Module):
     """``x / rms(x) * weight``, computed in float32 and cast back to the input dtype (as HF does).
@@ -29,7 +31,21 @@ class RMSNorm(nn.Module):
         x: torch.Tensor,  # [..., hidden_size]
         residual: torch.Tensor | None = None,  # [..., hidden_size]
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if use_fused_kernels(x):
+            return self._forward_triton(x, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+    def _forward_triton(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        from pagedllm.kernels.rms_norm import fused_add_rms_norm, rms_norm
+
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])  # [rows, hidden_size]
+        if residual is None:
+            return rms_norm(x2, self.weight, self.eps).view(shape)
+        out, new_residual = fused_add_rms_norm(x2, residual.reshape(-1, shape[-1]), self.weight, self.eps)
+        return out.view(shape), new_residual.view(shape)

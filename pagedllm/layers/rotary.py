@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.platform import use_fused_kernels
+
 
 def rope_config(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
     """``(rope_theta, rope_scaling)`` from an HF config; ``rope_scaling`` is None for plain RoPE.
@@ -92,6 +94,15 @@ class RotaryEmbedding(nn.Module):
         query: torch.Tensor,  # [T, num_heads, head_dim]
         key: torch.Tensor,  # [T, num_kv_heads, head_dim]
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if use_fused_kernels(query):
+            from pagedllm.kernels.rotary import rotary_embedding
+
+            half = self.rotary_dim // 2
+            # Rotates in place; cos/sin are column views of the [cos | sin] table.
+            rotary_embedding(
+                positions, query, key, self.cos_sin_cache[:, :half], self.cos_sin_cache[:, half:]
+            )
+            return query, key
         cos_sin = self.cos_sin_cache[positions]  # [T, rotary_dim]
         cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # [T, 1, rotary_dim // 2] each
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)

@@ -46,22 +46,26 @@ class CudaGraphRunner:
         self.max_model_len = max_model_len
         self.device = device
         bs = self.max_bs
-        # Static device buffers (the graphs' inputs).
-        self.input_ids = torch.zeros(bs, dtype=torch.long, device=device)  # [bs]
-        self.positions = torch.zeros(bs, dtype=torch.long, device=device)  # [bs]
-        self.slot_mapping = torch.full((bs,), -1, dtype=torch.long, device=device)  # [bs]
-        self.seq_lens = torch.ones(bs, dtype=torch.int32, device=device)  # [bs]
+        self.max_blocks = max_blocks_per_req
+        # Static device buffers (the graphs' inputs), as views of two flat buffers so that one step's inputs
+        # arrive in two host-to-device copies:
+        #   i64: [input_ids (bs) | positions (bs) | slot_mapping (bs)]
+        #   i32: [seq_lens (bs) | block_table (bs * max_blocks)]
+        self.dev_i64 = torch.zeros(3 * bs, dtype=torch.long, device=device)
+        self.dev_i32 = torch.zeros(bs + bs * max_blocks_per_req, dtype=torch.int32, device=device)
+        self.input_ids = self.dev_i64[:bs]  # [bs]
+        self.positions = self.dev_i64[bs : 2 * bs]  # [bs]
+        self.slot_mapping = self.dev_i64[2 * bs :]  # [bs]
+        self.seq_lens = self.dev_i32[:bs]  # [bs]
+        self.block_table = self.dev_i32[bs:].view(bs, max_blocks_per_req)  # [bs, max_blocks]
+        self.slot_mapping.fill_(-1)
+        self.seq_lens.fill_(1)
         self.query_start_loc = torch.arange(bs + 1, dtype=torch.int32, device=device)  # [bs + 1]
-        self.block_table = torch.zeros(
-            bs, max_blocks_per_req, dtype=torch.int32, device=device
-        )  # [bs, max_blocks]
-        # Pinned host staging: ids, positions and slots in one int64 buffer, seq_lens and block table in int32.
-        self.host_i64 = torch.zeros(3, bs, dtype=torch.long, pin_memory=True)  # [3, bs]
-        self.host_i32 = torch.zeros(bs, 1 + max_blocks_per_req, dtype=torch.int32, pin_memory=True)
+        # Pinned host twins.
+        self.host_i64 = torch.zeros(3 * bs, dtype=torch.long, pin_memory=True)
+        self.host_i32 = torch.zeros(bs + bs * max_blocks_per_req, dtype=torch.int32, pin_memory=True)
         self.host_i64_np = self.host_i64.numpy()
         self.host_i32_np = self.host_i32.numpy()
-        self.dev_i64 = torch.zeros(3, bs, dtype=torch.long, device=device)
-        self.dev_i32 = torch.zeros(bs, 1 + max_blocks_per_req, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
@@ -121,22 +125,21 @@ class CudaGraphRunner:
         n = input_ids.shape[0]
         bs = self.padded_size(n)
         nb = block_table.shape[1]
+        m, mb = self.max_bs, self.max_blocks
         h64, h32 = self.host_i64_np, self.host_i32_np
-        h64[0, :n] = input_ids
-        h64[1, :n] = positions
-        h64[2, :n] = slot_mapping
-        h64[:2, n:bs] = 0
-        h64[2, n:bs] = -1
-        h32[:n, 0] = seq_lens
-        h32[n:bs, 0] = 1
-        h32[:n, 1 : 1 + nb] = block_table
-        h32[n:bs, 1:] = 0
-        self.dev_i64[:, :bs].copy_(self.host_i64[:, :bs], non_blocking=True)
-        self.dev_i32[:bs, : 1 + nb].copy_(self.host_i32[:bs, : 1 + nb], non_blocking=True)
-        self.input_ids[:bs].copy_(self.dev_i64[0, :bs])
-        self.positions[:bs].copy_(self.dev_i64[1, :bs])
-        self.slot_mapping[:bs].copy_(self.dev_i64[2, :bs])
-        self.seq_lens[:bs].copy_(self.dev_i32[:bs, 0])
-        self.block_table[:bs, :nb].copy_(self.dev_i32[:bs, 1 : 1 + nb])
+        h64[:n] = input_ids
+        h64[m : m + n] = positions
+        h64[2 * m : 2 * m + n] = slot_mapping
+        h64[n:bs] = 0
+        h64[m + n : m + bs] = 0
+        h64[2 * m + n : 2 * m + bs] = -1  # padding rows write no keys
+        h32[:n] = seq_lens
+        h32[n:bs] = 1  # padding rows attend to one (ignored) key
+        table = h32[m:].reshape(m, mb)
+        table[:n, :nb] = block_table
+        table[n:bs, :nb] = 0
+        self.dev_i64.copy_(self.host_i64, non_blocking=True)
+        end = m + bs * mb
+        self.dev_i32[:end].copy_(self.host_i32[:end], non_blocking=True)
         self.graphs[bs].replay()
         return self.outputs[bs][:n]

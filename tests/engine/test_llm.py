@@ -240,3 +240,21 @@ def test_bad_input_raises_and_engine_keeps_serving(tiny_llama, tmp_path):
     assert got.request_id == "running"
     assert got.outputs[0].token_ids == reference(tiny_llama, (tuple(prompt),))[0]
     assert_no_leaks(llm)
+
+
+def test_chat_applies_template(tiny_llama):
+    llm = make_llm(tiny_llama)
+    tok = llm.get_tokenizer()
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    out = llm.chat(messages, params, use_tqdm=False)[0]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert out.prompt_token_ids == tok(text, add_special_tokens=False)["input_ids"]
+    direct = llm.generate({"prompt_token_ids": out.prompt_token_ids}, params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == direct.outputs[0].token_ids
+    # A list of conversations gives one output each, in order.
+    outs = llm.chat([messages, messages[1:]], params, use_tqdm=False)
+    assert len(outs) == 2 and outs[0].outputs[0].token_ids == out.outputs[0].token_ids
+    with pytest.raises(ValueError, match="messages"):
+        llm.chat([{"role": "wizard", "content": "x"}], params, use_tqdm=False)
+    assert_no_leaks(llm)
