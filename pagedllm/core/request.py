@@ -60,6 +60,8 @@ class Request:
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 until then
+        self.queue_time: float | None = None  # arrival -> first scheduling (monotonic seconds), once known
+        self.queue_time_sent = False
         self.num_preemptions = 0
         self.num_prompt_logprobs_sent = 0  # prompt positions whose logprobs were already returned
         self.block_hashes: list[bytes] = []  # chained hashes of this request's full blocks

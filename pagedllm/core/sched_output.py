@@ -46,6 +46,7 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # stop token id that ended it
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    queue_time: float | None = None  # seconds from arrival to first scheduling; on the first output only
 
     @property
     def finished(self) -> bool:

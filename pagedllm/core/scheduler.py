@@ -192,6 +192,7 @@ class Scheduler:
             self.waiting.pop()
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
+                request.queue_time = max(0.0, time.monotonic() - request.arrival_time)
                 self.num_prompt_tokens += request.num_prompt_tokens
             request.num_computed_tokens = num_hit
             request.status = RequestStatus.RUNNING
@@ -259,6 +260,8 @@ class Scheduler:
                     break
             if not new_token_ids and prompt_lp is None:
                 continue
+            queue_time = None if request.queue_time_sent else request.queue_time
+            request.queue_time_sent = True
             outputs.append(
                 EngineCoreOutput(
                     request_id=req_id,
@@ -268,6 +271,7 @@ class Scheduler:
                     finish_reason=request.status.finish_reason(),
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
+                    queue_time=queue_time,
                 )
             )
             if request.is_finished():

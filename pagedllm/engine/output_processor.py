@@ -47,6 +47,7 @@ class FinishedRequestStats:
     num_generation_tokens: int
     e2e_latency: float  # finish time - arrival time
     ttft: float | None  # first token time - arrival time; None when it finished without a token
+    queue_time: float | None = None  # arrival -> first scheduled in the core; None if never scheduled
 
 
 @dataclass
@@ -96,6 +97,7 @@ class _SequenceState:
         self.num_prompt_logprob_rows = 0  # prompt-logprob rows this sequence's core request reported
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
+        self.queue_time: float | None = None
         self.num_sent_tokens = 0
         self.num_sent_chars = 0
         # Hold back the last len(longest stop string) - 1 characters while running: they might begin a stop
@@ -254,6 +256,8 @@ class OutputProcessor:
         stats: IterationStats,
     ) -> None:
         new_token_ids = out.new_token_ids
+        if out.queue_time is not None:
+            seq.queue_time = out.queue_time
         if seq.first_token_time is None:
             seq.first_token_time = now
             stats.time_to_first_tokens.append(now - req.metrics.arrival_time)
@@ -322,6 +326,7 @@ class OutputProcessor:
                 num_generation_tokens=len(seq.token_ids),
                 e2e_latency=now - arrival,
                 ttft=None if seq.first_token_time is None else seq.first_token_time - arrival,
+                queue_time=seq.queue_time,
             )
         )
 

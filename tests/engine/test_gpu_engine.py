@@ -45,7 +45,7 @@ def _check_close(ours_ids, ours_lps, ref_ids, ref_lps, k: int = 5) -> None:
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_bf16_greedy_close_to_transformers(tiny_model_dirs, arch):
     path = tiny_model_dirs[arch]
-    llm = LLM(path, dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3, max_model_len=512)
+    llm = LLM(path, dtype="bfloat16", device="cuda", kv_cache_memory_bytes=64 * 2**20, max_model_len=512)
     assert llm.llm_engine.engine_core.runner.attn_backend.name == "triton"
     prompts = _prompts(llm.llm_engine.engine_core.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=5)
@@ -66,7 +66,7 @@ def test_cuda_graphs_match_eager(tiny_model_dirs):
             path,
             dtype="float32",
             device="cuda",
-            gpu_memory_utilization=0.3,
+            kv_cache_memory_bytes=64 * 2**20,
             max_model_len=512,
             enforce_eager=eager,
             max_num_seqs=16,
@@ -94,7 +94,7 @@ def test_triton_and_torch_backends_agree_fp32(tiny_model_dirs):
             path,
             dtype="float32",
             device="cuda",
-            gpu_memory_utilization=0.3,
+            kv_cache_memory_bytes=64 * 2**20,
             max_model_len=512,
             attention_backend=backend,
             enforce_eager=True,
@@ -111,3 +111,17 @@ def test_triton_and_torch_backends_agree_fp32(tiny_model_dirs):
         del llm
         torch.cuda.empty_cache()
     assert results[0] == results[1]
+
+
+def test_gpu_memory_utilization_sizes_cache_from_profile(tiny_model_dirs):
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    llm = LLM(tiny_model_dirs["llama"], device="cuda", gpu_memory_utilization=0.5, max_model_len=512)
+    info = llm.llm_engine.engine_core.kv_cache_info
+    total = torch.cuda.get_device_properties(0).total_memory
+    # The cache gets most of half the card (tiny weights), never more than half.
+    assert 0.2 * total < info["kv_cache_bytes"] < 0.5 * total
+    out = llm.generate("hello", SamplingParams(max_tokens=4), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 4

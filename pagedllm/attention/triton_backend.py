@@ -1,0 +1,43 @@
+"""Triton attention backend: write this step's keys/values into the paged cache, then paged attention.
+
+Two launches per layer (three when split-K kicks in for long decodes), no host syncs: everything the
+launchers size their grids from is a Python int already in :class:`AttentionMetadata`. See
+``pagedllm/kernels/paged_attention.py`` for what the grid depends on (CUDA-graph capture).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.attention.base import AttentionMetadata
+from pagedllm.kernels.paged_attention import paged_attention
+from pagedllm.kernels.reshape_and_cache import reshape_and_cache
+
+
+class TritonAttentionBackend:
+    name = "triton"
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; padding rows (past metadata.num_tokens) zero
+        reshape_and_cache(key, value, kv_cache, metadata.slot_mapping)
+        out = paged_attention(
+            query,
+            kv_cache,
+            metadata.block_table,
+            metadata.seq_lens,
+            metadata.query_start_loc,
+            scale,
+            metadata.num_reqs,
+            metadata.max_query_len,
+            metadata.max_seq_len,
+        )
+        if query.shape[0] > metadata.num_tokens:
+            out[metadata.num_tokens :].zero_()  # the kernel leaves padding rows unwritten
+        return out

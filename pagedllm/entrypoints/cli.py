@@ -1,0 +1,155 @@
+"""The ``pagedllm`` command: ``serve | generate | chat | bench {serve, throughput, latency}``.
+
+Each subcommand lives in a module exposing ``add_cli_args(parser)`` and ``main(args) -> int``. Only the module
+of the subcommand being run is imported, so a broken or missing one only breaks its own subcommand (and
+``pagedllm --help`` stays fast).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Any
+
+# name -> (module, one-line help); the module has add_cli_args(parser) and main(args) -> int.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("pagedllm.entrypoints.openai.api_server", "run the OpenAI-compatible HTTP server"),
+    "generate": ("pagedllm.entrypoints.generate", "generate text for prompts, offline"),
+    "chat": (__name__ + ":chat", "chat with a model in the terminal"),
+}
+BENCH_COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("pagedllm.benchmarks.serve", "load-test a running OpenAI-compatible server"),
+    "throughput": ("pagedllm.benchmarks.throughput", "offline throughput"),
+    "latency": ("pagedllm.benchmarks.latency", "latency of one batch"),
+}
+
+
+class _Command:
+    """A subcommand's two entry points: add_cli_args(parser) and main(args)."""
+
+    def __init__(self, add_cli_args: Any, main: Any) -> None:
+        self.add_cli_args = add_cli_args
+        self.main = main
+
+
+def _load(module_name: str, what: str) -> Any:
+    """The module (or, for "module:chat", the chat command defined here) behind a subcommand."""
+    if module_name == __name__ + ":chat":
+        return _Command(add_chat_args, chat_main)
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as e:
+        raise SystemExit(f"pagedllm {what}: unavailable ({e})") from e
+
+
+def _positionals(argv: list[str]) -> list[str]:
+    return [a for a in argv if not a.startswith("-")]
+
+
+def build_parser(
+    argv: list[str],
+) -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.ArgumentParser]]:
+    """The parser, with full arguments only for the subcommand named in ``argv``."""
+    parser = argparse.ArgumentParser(
+        prog="pagedllm", description="High-throughput LLM inference and serving."
+    )
+    from pagedllm import __version__
+
+    parser.add_argument("--version", action="version", version=f"pagedllm {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="{serve,generate,chat,bench}")
+    words = _positionals(argv)
+    chosen = words[0] if words else None
+    leaves: dict[tuple[str, ...], argparse.ArgumentParser] = {}
+    for name, (module_name, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        leaves[(name,)] = p
+        if name == chosen:
+            _load(module_name, name).add_cli_args(p)
+    bench = sub.add_parser("bench", help="benchmarks", description="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", metavar="{serve,throughput,latency}")
+    bench_chosen = words[1] if chosen == "bench" and len(words) > 1 else None
+    for name, (module_name, help_text) in BENCH_COMMANDS.items():
+        p = bench_sub.add_parser(name, help=help_text, description=help_text)
+        leaves[("bench", name)] = p
+        if name == bench_chosen:
+            _load(module_name, f"bench {name}").add_cli_args(p)
+    leaves[("bench",)] = bench
+    return parser, leaves
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser, leaves = build_parser(argv)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    if args.command == "bench":
+        if args.bench_command is None:
+            leaves[("bench",)].print_help()
+            return 2
+        module_name, _ = BENCH_COMMANDS[args.bench_command]
+        return int(_load(module_name, f"bench {args.bench_command}").main(args) or 0)
+    module_name, _ = COMMANDS[args.command]
+    return int(_load(module_name, args.command).main(args) or 0)
+
+
+# ----------------------------------------------------------------------------------- pagedllm chat
+
+
+def add_chat_args(parser: argparse.ArgumentParser) -> None:
+    """``pagedllm chat``: the engine flags plus sampling settings."""
+    from pagedllm.engine.arg_utils import add_engine_args
+
+    add_engine_args(parser, model_positional=True)
+    parser.add_argument("--system", default=None, help="a system message to start the conversation with")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument(
+        "--chat-template", default=None, help="a Jinja chat template: a file path or the template"
+    )
+
+
+def chat_main(args: argparse.Namespace) -> int:
+    """A terminal REPL over ``LLM.chat``: one line in, one answer out; an empty line or EOF quits."""
+    from pagedllm.engine.arg_utils import engine_kwargs_from_args, resolve_model_arg
+    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.sampling_params import SamplingParams
+
+    try:
+        kwargs = engine_kwargs_from_args(args)
+        kwargs.pop("served_model_name", None)  # a server setting; LLM does not take it
+        llm = LLM(model=resolve_model_arg(args), **kwargs)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
+    except ValueError as e:
+        print(f"pagedllm chat: error: {e}", file=sys.stderr)
+        return 2
+    conversation: list[dict[str, str]] = []
+    if args.system:
+        conversation.append({"role": "system", "content": args.system})
+    print("Type a message and press Enter; an empty line or Ctrl-D quits.", flush=True)
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        if not line.strip():
+            return 0
+        conversation.append({"role": "user", "content": line})
+        kwargs = {"chat_template": args.chat_template} if args.chat_template else {}
+        try:
+            out = llm.chat(conversation, params, use_tqdm=False, **kwargs)
+        except ValueError as e:
+            print(f"error: {e}", flush=True)
+            conversation.pop()
+            continue
+        answer = out[0].outputs[0].text
+        print(answer, flush=True)
+        conversation.append({"role": "assistant", "content": answer})
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,488 @@
+"""`pagedllm serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn) in front of an ``AsyncLLM``.
+
+Endpoints: /v1/models, /v1/completions, /v1/chat/completions, /tokenize, /detokenize, /health, /version,
+/metrics. Everything but /health, /version and /metrics needs the API key when one is set (compared in constant
+time). Request bodies are bounded (``--max-request-body-bytes``) before any parsing.
+
+Life cycle: the port is bound first (a busy port fails fast), then the engine core process starts (model load,
+KV cache sizing), then uvicorn serves. SIGTERM: stop accepting, let in-flight requests finish for up to
+``--shutdown-timeout`` seconds (then abort them), stop the engine, exit 0. If the engine core process dies, in-flight
+requests end with an error at once, /health answers 503, and the server exits with status 1 shortly after,
+so a supervisor restarts it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import hmac
+import logging
+import os
+import signal
+import socket
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pagedllm import __version__
+from pagedllm.engine.arg_utils import add_engine_args, engine_kwargs_from_args, resolve_model_arg
+from pagedllm.engine.core_process import EngineDeadError
+from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request, error_json_bytes, error_response
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
+from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_engine import parse_body, to_openai_error
+
+logger = logging.getLogger("pagedllm.server")
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
+# After the engine dies, keep answering (503s) this long before exiting, so health checks see it.
+ENGINE_DEAD_LINGER_S = 2.0
+# Paths that never need the API key.
+PUBLIC_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", "/docs", "/redoc", "/openapi.json"})
+
+
+# ------------------------------------------------------------------------------------------- middleware
+
+
+async def _send_error(
+    send: Send, err: OpenAIError, extra_headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    body = error_json_bytes(err)
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send(
+        {"type": "http.response.start", "status": err.status_code, "headers": headers + (extra_headers or [])}
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+class ApiKeyMiddleware:
+    """Refuse requests without ``Authorization: Bearer <key>`` (401), comparing digests in constant time."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._digest = hashlib.sha256(api_key.encode()).digest()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS or scope["method"] == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        given = b""
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                given = value
+                break
+        prefix = b"Bearer "
+        # Hash both sides so the comparison takes the same time whatever the given key's length.
+        ok = given.startswith(prefix) and hmac.compare_digest(
+            hashlib.sha256(given[len(prefix) :]).digest(), self._digest
+        )
+        if not ok:
+            err = OpenAIError(
+                "Missing or incorrect API key: pass it as 'Authorization: Bearer <key>'.",
+                status_code=401,
+                type="invalid_request_error",
+                code="invalid_api_key",
+            )
+            await _send_error(send, err, [(b"www-authenticate", b"Bearer")])
+            return
+        await self.app(scope, receive, send)
+
+
+class BodySizeLimitMiddleware:
+    """Read the whole request body before the app sees it; refuse bodies over ``max_bytes`` with a 400.
+
+    The app then gets the body in one message and, after it, the real ``receive`` (for disconnects).
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = None
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    declared = None
+                break
+        too_big = declared is not None and declared > self.max_bytes
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body = message.get("body", b"")
+            size += len(body)
+            if size > self.max_bytes:
+                too_big = True
+            if not too_big:
+                chunks.append(body)
+            # Drain what the client still sends (up to a bound) so it can read the answer.
+            if not message.get("more_body", False) or size > 4 * self.max_bytes + (1 << 20):
+                break
+        if too_big:
+            err = bad_request(
+                f"the request body is larger than this server's limit of {self.max_bytes} bytes "
+                "(--max-request-body-bytes)",
+                "body",
+            )
+            await _send_error(send, err, [(b"connection", b"close")])
+            return
+        buffered: Message | None = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        async def replay() -> Message:
+            nonlocal buffered
+            if buffered is not None:
+                message, buffered = buffered, None
+                return message
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+# ------------------------------------------------------------------------------------------------ app
+
+
+def build_app(
+    engine: Any,
+    *,
+    served_model_names: list[str],
+    api_key: str | None = None,
+    max_logprobs: int = 20,
+    chat_template: str | None = None,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    metrics: Any = None,
+) -> FastAPI:
+    """The FastAPI app for ``engine`` (an ``AsyncLLM``); ``metrics`` is a ``PrometheusStatLogger`` or None."""
+    app = FastAPI(title="pagedllm", version=__version__)
+    completion = OpenAIServingCompletion(
+        engine, served_model_names, max_logprobs=max_logprobs, chat_template=chat_template
+    )
+    chat = OpenAIServingChat(
+        engine, served_model_names, max_logprobs=max_logprobs, chat_template=chat_template
+    )
+    model_config = engine.model_config
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_: Request, exc: OpenAIError) -> Response:
+        return error_response(exc)
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(_: Request, exc: EngineDeadError) -> Response:
+        return error_response(to_openai_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(OpenAIError(str(exc.detail), status_code=exc.status_code, type=kind))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> Response:
+        return error_response(bad_request(str(exc)))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error")
+        return error_response(to_openai_error(exc))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.errored:
+            return error_response(
+                to_openai_error(engine.dead_error or EngineDeadError("the engine is not running"))
+            )
+        return Response(status_code=200)
+
+    @app.get("/ping")
+    async def ping() -> Response:
+        return await health()
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__})
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        cards = [
+            ModelCard(id=name, root=model_config.model, max_model_len=model_config.max_model_len)
+            for name in served_model_names
+        ]
+        return JSONResponse(ModelList(data=cards).model_dump())
+
+    @app.get("/metrics")
+    async def get_metrics() -> Response:
+        if metrics is None:
+            return Response(status_code=404)
+        if not engine.errored:
+            try:
+                metrics.record_scheduler_stats(await asyncio.wait_for(engine.get_stats(), 2.0))
+            except (asyncio.TimeoutError, EngineDeadError):
+                pass  # the last stats the engine pushed are still there
+        from pagedllm.metrics import CONTENT_TYPE
+
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
+    async def create_completion(raw_request: Request) -> Response:
+        req = parse_body(await raw_request.body(), CompletionRequest)
+        return await completion.create_completion(req, raw_request)
+
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
+    async def create_chat_completion(raw_request: Request) -> Response:
+        req = parse_body(await raw_request.body(), ChatCompletionRequest)
+        return await chat.create_chat_completion(req, raw_request)
+
+    @app.post("/tokenize", openapi_extra=_body_schema(TokenizeRequest))
+    async def tokenize(raw_request: Request) -> JSONResponse:
+        req = parse_body(await raw_request.body(), TokenizeRequest)
+        completion.check_model(req.model)
+        if req.messages is not None and req.prompt is not None:
+            raise bad_request("give either prompt or messages, not both", "messages")
+        if req.messages is not None:
+            if not req.messages:
+                raise bad_request("messages must not be empty", "messages")
+            _, token_ids = chat.render_prompt(req.messages, req.add_generation_prompt is not False)
+        elif req.prompt is not None:
+            token_ids = engine.input_processor.tokenize(
+                req.prompt, add_special_tokens=req.add_special_tokens is not False
+            )
+        else:
+            raise bad_request("prompt (or messages) is required", "prompt")
+        return JSONResponse(
+            {"count": len(token_ids), "max_model_len": completion.max_model_len, "tokens": token_ids}
+        )
+
+    @app.post("/detokenize", openapi_extra=_body_schema(DetokenizeRequest))
+    async def detokenize(raw_request: Request) -> JSONResponse:
+        req = parse_body(await raw_request.body(), DetokenizeRequest)
+        completion.check_model(req.model)
+        if req.tokens:
+            completion.check_token_ids(req.tokens, "tokens")
+        return JSONResponse({"prompt": engine.tokenizer.decode(req.tokens)})
+
+    _install_openapi_schemas(
+        app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest]
+    )
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    return app
+
+
+def _body_schema(model_cls: type) -> dict[str, Any]:
+    """OpenAPI request body for a route that parses its body by hand (to control error messages)."""
+    ref = {"$ref": f"#/components/schemas/{model_cls.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def _install_openapi_schemas(app: FastAPI, models: list[type]) -> None:
+    original = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = original()
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model_cls in models:
+            model_schema = model_cls.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(model_schema.pop("$defs", {}))
+            components[model_cls.__name__] = model_schema
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+# --------------------------------------------------------------------------------------------- the CLI
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    add_engine_args(parser, model_positional=True)
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server)")
+    group.add_argument("--port", type=int, default=8000)
+    group.add_argument("--api-key", default=None, help="require this key (default: env PAGEDLLM_API_KEY)")
+    group.add_argument("--served-model-name", nargs="+", default=None, help="model name(s) clients use")
+    group.add_argument(
+        "--chat-template", default=None, help="a Jinja chat template: a file path or the template"
+    )
+    group.add_argument("--disable-log-requests", action="store_true")
+    group.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+    )
+    group.add_argument(
+        "--max-logprobs", type=int, default=20, help="largest logprobs / top_logprobs accepted"
+    )
+    group.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES)
+    group.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds in-flight requests may take to finish before they are aborted",
+    )
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a path to a file holding the template, or the template itself."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{" not in value:
+        raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
+    return value
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(False)
+    return sock
+
+
+def _raise_system_exit(signum: int, frame: Any) -> None:
+    # Outside uvicorn's own handling (during start-up, and when uvicorn re-raises SIGTERM after its graceful
+    # shutdown) SIGTERM ends the process with status 0; `finally` blocks stop the engine core.
+    raise SystemExit(0)
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
+    try:
+        model = resolve_model_arg(args)
+        served_model_names = list(args.served_model_name or [model])
+        chat_template = load_chat_template(args.chat_template)
+        if args.max_logprobs < 0:
+            raise ValueError(f"--max-logprobs must be >= 0, got {args.max_logprobs}")
+        if args.max_request_body_bytes < 1024:
+            raise ValueError(
+                f"--max-request-body-bytes must be at least 1024, got {args.max_request_body_bytes}"
+            )
+        kwargs = engine_kwargs_from_args(args)
+        kwargs["served_model_name"] = served_model_names[0]
+        from pagedllm.config import make_engine_config
+
+        config = make_engine_config(model, **kwargs)
+        config.model_config.max_logprobs = args.max_logprobs  # read by the InputProcessor
+    except ValueError as e:
+        print(f"pagedllm serve: error: {e}", flush=True)
+        return 2
+    try:
+        sock = _bind(args.host, args.port)
+    except OSError as e:
+        print(f"pagedllm serve: error: cannot listen on {args.host}:{args.port}: {e}", flush=True)
+        return 1
+    signal.signal(signal.SIGTERM, _raise_system_exit)
+    try:
+        return asyncio.run(
+            _serve(
+                args,
+                config,
+                sock,
+                served_model_names=served_model_names,
+                api_key=api_key,
+                chat_template=chat_template,
+            )
+        )
+    except KeyboardInterrupt:
+        return 0
+    except (ValueError, RuntimeError) as e:  # the engine failed to start
+        print(f"pagedllm serve: error: {e}", flush=True)
+        return 1
+    finally:
+        sock.close()
+
+
+async def _serve(
+    args: argparse.Namespace,
+    config: Any,
+    sock: socket.socket,
+    *,
+    served_model_names: list[str],
+    api_key: str | None,
+    chat_template: str | None,
+) -> int:
+    import uvicorn
+
+    from pagedllm.engine.async_llm import AsyncLLM
+    from pagedllm.metrics import PrometheusStatLogger
+
+    metrics = PrometheusStatLogger(served_model_names[0])
+    engine = AsyncLLM(config, log_requests=not args.disable_log_requests, stat_loggers=[metrics.record])
+    watchdog = None
+    try:
+        app = build_app(
+            engine,
+            served_model_names=served_model_names,
+            api_key=api_key,
+            max_logprobs=args.max_logprobs,
+            chat_template=chat_template,
+            max_request_body_bytes=args.max_request_body_bytes,
+            metrics=metrics,
+        )
+        uv_config = uvicorn.Config(
+            app,
+            log_level=args.uvicorn_log_level,
+            timeout_graceful_shutdown=args.shutdown_timeout,
+            lifespan="off",
+        )
+        server = uvicorn.Server(uv_config)
+        exit_code = 0
+
+        async def watch_engine() -> None:
+            nonlocal exit_code
+            err = await engine.wait_until_dead()
+            if not engine.errored:
+                return  # a normal shutdown
+            logger.error("%s; the server exits in %.0f s", err, ENGINE_DEAD_LINGER_S)
+            exit_code = 1
+            await asyncio.sleep(ENGINE_DEAD_LINGER_S)
+            server.should_exit = True
+
+        watchdog = asyncio.create_task(watch_engine())
+        info = engine.kv_cache_info
+        host, port = sock.getsockname()[:2]
+        print(
+            f"pagedllm: KV cache: {info.get('num_blocks')} blocks of {info.get('block_size')} tokens "
+            f"({info.get('num_tokens')} tokens); maximum concurrency for {config.model_config.max_model_len}-token "
+            f"requests: {info.get('max_concurrency', 0):.2f}x",
+            flush=True,
+        )
+        print(
+            f"pagedllm: serving {', '.join(served_model_names)} on http://{host}:{port}"
+            f"{' (API key required)' if api_key else ''} (engine core pid {engine.engine_core.pid})",
+            flush=True,
+        )
+        await server.serve(sockets=[sock])
+        return exit_code
+    finally:
+        if watchdog is not None:
+            watchdog.cancel()
+        engine.shutdown()

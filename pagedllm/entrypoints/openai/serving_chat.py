@@ -1,0 +1,191 @@
+"""POST /v1/chat/completions: chat template, n, logprobs in the chat format, streaming (role delta first)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from pagedllm.engine.async_llm import RequestStream
+from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request, from_value_error
+from pagedllm.entrypoints.openai.protocol import (
+    ChatChoiceLogprobs,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatMessage,
+    ChatResponseMessage,
+    UsageInfo,
+    chat_chunk,
+    usage_chunk,
+)
+from pagedllm.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    OpenAIServing,
+    new_request_id,
+    sse,
+    to_openai_error,
+    wait_or_disconnect,
+)
+from pagedllm.sampling_params import RequestOutputKind
+
+
+class OpenAIServingChat(OpenAIServing):
+    field_map = {
+        **OpenAIServing.field_map,
+        "messages": "messages",
+        "chat_template": None,
+        "logprobs": "top_logprobs",
+        "prompt": "messages",
+        "prompt_token_ids": "messages",
+    }
+
+    def render_prompt(
+        self, messages: list[ChatMessage], add_generation_prompt: bool
+    ) -> tuple[str, list[int]]:
+        """Apply the chat template and tokenize; ValueErrors become 400s naming ``messages``."""
+        conversation = [m.model_dump(exclude_none=True) for m in messages]
+        processor = self.engine.input_processor
+        try:
+            text = processor.apply_chat_template(
+                conversation, chat_template=self.chat_template, add_generation_prompt=add_generation_prompt
+            )
+        except ValueError as e:
+            raise from_value_error(e, {"messages": "messages", "chat_template": None}) from None
+        token_ids = processor.tokenize(text, add_special_tokens=False)
+        if not token_ids:
+            raise bad_request("messages render to an empty prompt", "messages")
+        return text, token_ids
+
+    async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
+        self.check_model(req.model)
+        self.check_engine()
+        if req.n < 1:
+            raise bad_request(f"n must be at least 1, got {req.n}", "n")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+        num_top = (req.top_logprobs or 0) if req.logprobs else None
+        self.check_logprobs(num_top, "top_logprobs")
+        self.check_stream_options(req)
+        prompt_text, token_ids = self.render_prompt(req.messages, req.add_generation_prompt is not False)
+        if req.max_completion_tokens is not None:
+            max_tokens_param, requested = "max_completion_tokens", req.max_completion_tokens
+        else:
+            max_tokens_param, requested = "max_tokens", req.max_tokens
+        max_tokens = self.resolve_max_tokens(
+            len(token_ids), requested, prompt_param="messages", max_tokens_param=max_tokens_param
+        )
+        streaming = bool(req.stream)
+        kind = RequestOutputKind.DELTA if streaming else RequestOutputKind.FINAL_ONLY
+        params = self.sampling_params(req, max_tokens=max_tokens, logprobs=num_top, output_kind=kind)
+        request_id = new_request_id("chatcmpl")
+        stream = self.add_request(request_id, {"prompt_token_ids": token_ids, "prompt": prompt_text}, params)
+        if streaming:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(
+                self._stream(req, request_id, len(token_ids), stream, num_top, include_usage),
+                media_type="text/event-stream",
+            )
+        try:
+            response = await wait_or_disconnect(
+                raw_request, self._collect(request_id, len(token_ids), stream, num_top)
+            )
+        except Exception as e:  # noqa: BLE001 - mapped to the OpenAI error shape
+            raise to_openai_error(e, self.field_map) from None
+        finally:
+            stream.close()
+        if response is None:
+            return Response(status_code=499)
+        return JSONResponse(response.model_dump())
+
+    async def _collect(
+        self, request_id: str, num_prompt_tokens: int, stream: RequestStream, num_top: int | None
+    ) -> ChatCompletionResponse:
+        final = None
+        try:
+            async for out in stream:
+                final = out
+        finally:
+            stream.close()
+        assert final is not None
+        choices = []
+        num_completion_tokens = 0
+        for c in sorted(final.outputs, key=lambda c: c.index):
+            num_completion_tokens += len(c.token_ids)
+            logprobs = None
+            if num_top is not None:
+                logprobs = ChatChoiceLogprobs(
+                    content=self.chat_logprobs(c.token_ids, c.logprobs or [], num_top)
+                )
+            choices.append(
+                ChatCompletionResponseChoice(
+                    index=c.index,
+                    message=ChatResponseMessage(role="assistant", content=c.text),
+                    logprobs=logprobs,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+            )
+        return ChatCompletionResponse(
+            id=request_id,
+            model=self.model_name,
+            choices=choices,
+            usage=UsageInfo(
+                prompt_tokens=num_prompt_tokens,
+                completion_tokens=num_completion_tokens,
+                total_tokens=num_prompt_tokens + num_completion_tokens,
+            ),
+        )
+
+    async def _stream(
+        self,
+        req: ChatCompletionRequest,
+        request_id: str,
+        num_prompt_tokens: int,
+        stream: RequestStream,
+        num_top: int | None,
+        include_usage: bool,
+    ) -> AsyncIterator[str]:
+        created = int(time.time())
+        model = self.model_name
+        num_tokens = [0] * req.n
+        try:
+            for index in range(req.n):
+                yield sse(chat_chunk(request_id, created, model, index, {"role": "assistant", "content": ""}))
+            async for out in stream:
+                for c in out.outputs:
+                    num_tokens[c.index] += len(c.token_ids)
+                    if not c.text and not c.token_ids and c.finish_reason is None:
+                        continue
+                    logprobs: dict[str, Any] | None = None
+                    if num_top is not None:
+                        logprobs = {"content": self.chat_logprobs(c.token_ids, c.logprobs or [], num_top)}
+                    delta = {"content": c.text} if c.text or c.finish_reason is None else {}
+                    yield sse(
+                        chat_chunk(
+                            request_id,
+                            created,
+                            model,
+                            c.index,
+                            delta,
+                            logprobs,
+                            c.finish_reason,
+                            c.stop_reason,
+                        )
+                    )
+            if include_usage:
+                usage = UsageInfo(
+                    prompt_tokens=num_prompt_tokens,
+                    completion_tokens=sum(num_tokens),
+                    total_tokens=num_prompt_tokens + sum(num_tokens),
+                )
+                yield sse(usage_chunk(request_id, created, model, "chat.completion.chunk", usage))
+        except Exception as e:  # noqa: BLE001 - the status line is sent already: report in the stream
+            err: OpenAIError = to_openai_error(e, self.field_map)
+            yield sse(err.to_dict())
+        finally:
+            stream.close()
+        yield SSE_DONE

@@ -1,0 +1,404 @@
+"""What completions and chat completions share: body parsing, model check, context-length and parameter
+validation, ``SamplingParams`` construction, logprob formatting, SSE framing and disconnect handling."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+
+from pagedllm.engine.async_llm import AsyncLLM, RequestStream
+from pagedllm.engine.core_process import EngineDeadError
+from pagedllm.entrypoints.openai.errors import (
+    OpenAIError,
+    bad_request,
+    engine_dead,
+    from_validation_error,
+    from_value_error,
+)
+from pagedllm.outputs import Logprob
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.tokenizer import TokenTextCache
+
+# More stop sequences than this, or longer ones, are refused (OpenAI allows 4; vLLM has no limit).
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_LENGTH = 1024
+# Logprob floor used in JSON: -inf is not valid JSON.
+_MIN_LOGPROB = -9999.0
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+T = TypeVar("T")
+
+
+def parse_body(body: bytes, model_cls: type[ModelT]) -> ModelT:
+    """Decode, parse and validate a JSON request body; every failure is a 400 saying what is wrong."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise bad_request(f"the request body is not valid UTF-8 (byte {e.start})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise bad_request(
+            f"the request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
+        ) from None
+    if not isinstance(data, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def clamp_logprob(value: float) -> float:
+    return max(value, _MIN_LOGPROB) if not math.isnan(value) else _MIN_LOGPROB
+
+
+def to_openai_error(
+    exc: BaseException, known_fields: dict[str, str | None] | set[str] | None = None
+) -> OpenAIError:
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, EngineDeadError):
+        return engine_dead(f"the engine is not running: {exc}")
+    if isinstance(exc, ValueError):
+        return from_value_error(exc, known_fields)
+    return OpenAIError(
+        f"internal error: {type(exc).__name__}: {exc}",
+        status_code=500,
+        type="server_error",
+        code="internal_error",
+    )
+
+
+class OpenAIServing:
+    """Base of the completion and chat handlers: one per server, shared by all requests."""
+
+    # Engine-side names (ValueError messages) -> request fields; subclasses extend it.
+    field_map: dict[str, str | None] = {
+        "n": "n",
+        "best_of": "best_of",
+        "presence_penalty": "presence_penalty",
+        "frequency_penalty": "frequency_penalty",
+        "repetition_penalty": "repetition_penalty",
+        "temperature": "temperature",
+        "top_p": "top_p",
+        "top_k": "top_k",
+        "min_p": "min_p",
+        "seed": "seed",
+        "stop": "stop",
+        "stop_token_ids": "stop_token_ids",
+        "max_tokens": "max_tokens",
+        "min_tokens": "min_tokens",
+        "logit_bias": "logit_bias",
+        "logprobs": "logprobs",
+        "prompt_logprobs": "logprobs",
+        "prompt": "prompt",
+        "prompt_token_ids": "prompt",
+        "request_id": None,
+    }
+
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        served_model_names: list[str],
+        *,
+        max_logprobs: int = 20,
+        chat_template: str | None = None,
+    ) -> None:
+        self.engine = engine
+        self.served_model_names = served_model_names
+        self.model_name = served_model_names[0]
+        self.max_logprobs = max_logprobs
+        self.chat_template = chat_template
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = int(engine.model_config.max_model_len)
+        self.vocab_size = int(engine.model_config.vocab_size)
+        self.token_text = TokenTextCache(self.tokenizer)
+
+    # ------------------------------------------------------------------ checks
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.served_model_names:
+            raise OpenAIError(
+                f"The model `{model}` does not exist; this server serves {', '.join(self.served_model_names)}.",
+                status_code=404,
+                param="model",
+                code="model_not_found",
+            )
+
+    def check_engine(self) -> None:
+        err = self.engine.dead_error
+        if err is not None or self.engine.errored:
+            raise engine_dead(f"the engine is not running: {err}")
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        if not token_ids:
+            raise bad_request(f"{param} must not be empty", param)
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise bad_request(
+                f"{param} contains token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}", param
+            )
+
+    def resolve_max_tokens(
+        self, prompt_len: int, max_tokens: int | None, *, prompt_param: str, max_tokens_param: str
+    ) -> int:
+        """Check the prompt and the requested completion against the context; return max_tokens to use."""
+        limit = self.max_model_len
+        if max_tokens is not None and max_tokens < 1:
+            raise bad_request(f"{max_tokens_param} must be at least 1, got {max_tokens}", max_tokens_param)
+        if prompt_len >= limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens. However, your prompt has {prompt_len} "
+                f"tokens, which leaves no room for the completion ({prompt_len} + at least 1 > {limit}). Please "
+                "shorten the prompt.",
+                prompt_param,
+            )
+        if max_tokens is None:
+            return limit - prompt_len
+        if prompt_len + max_tokens > limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in the completion). "
+                f"Please reduce the length of the prompt or {max_tokens_param}.",
+                max_tokens_param,
+            )
+        return max_tokens
+
+    @staticmethod
+    def check_stream_options(req: Any) -> None:
+        if req.stream_options is not None and not req.stream:
+            raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
+    def check_logprobs(self, value: int | None, param: str) -> None:
+        if value is None:
+            return
+        if value < 0:
+            raise bad_request(f"{param} must be >= 0, got {value}", param)
+        if value > self.max_logprobs:
+            raise bad_request(
+                f"{param} must be at most {self.max_logprobs} on this server, got {value}", param
+            )
+
+    # ------------------------------------------------------------------ sampling params
+
+    def sampling_params(
+        self,
+        req: Any,
+        *,
+        max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        output_kind: RequestOutputKind,
+    ) -> SamplingParams:
+        stop = req.stop
+        if isinstance(stop, str):
+            stop = [stop]
+        if stop is not None:
+            if len(stop) > MAX_STOP_SEQUENCES:
+                raise bad_request(
+                    f"stop may hold at most {MAX_STOP_SEQUENCES} sequences, got {len(stop)}", "stop"
+                )
+            if any(len(s) > MAX_STOP_LENGTH for s in stop):
+                raise bad_request(f"stop sequences must be at most {MAX_STOP_LENGTH} characters long", "stop")
+        logit_bias = None
+        if req.logit_bias:
+            try:
+                logit_bias = {int(k): float(v) for k, v in req.logit_bias.items()}
+            except ValueError:
+                raise bad_request(
+                    "logit_bias keys must be token ids (integers as strings)", "logit_bias"
+                ) from None
+        kwargs: dict[str, Any] = dict(
+            n=req.n,
+            max_tokens=max_tokens,
+            stop=stop,
+            seed=req.seed,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            logit_bias=logit_bias,
+            ignore_eos=bool(req.ignore_eos),
+            stop_token_ids=req.stop_token_ids,
+            include_stop_str_in_output=bool(req.include_stop_str_in_output),
+            skip_special_tokens=req.skip_special_tokens is not False,
+            spaces_between_special_tokens=req.spaces_between_special_tokens is not False,
+            output_kind=output_kind,
+        )
+        for name in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "min_tokens",
+        ):
+            value = getattr(req, name)
+            if value is not None:
+                kwargs[name] = value
+        try:
+            params = SamplingParams(**kwargs)
+            params.verify_vocab(self.vocab_size)
+        except ValueError as e:
+            raise from_value_error(e, self.field_map) from None
+        return params
+
+    def add_request(self, request_id: str, prompt: Any, params: SamplingParams) -> RequestStream:
+        try:
+            return self.engine.add_request(request_id, prompt, params)
+        except (ValueError, EngineDeadError) as e:
+            raise to_openai_error(e, self.field_map) from None
+
+    # ------------------------------------------------------------------ logprobs
+
+    def token_str(self, token_id: int, row: dict[int, Logprob] | None) -> str:
+        if row is not None:
+            lp = row.get(token_id)
+            if lp is not None and lp.decoded_token is not None:
+                return lp.decoded_token
+        return self.token_text(token_id)
+
+    def completion_logprobs(
+        self,
+        token_ids: list[int],
+        rows: list[dict[int, Logprob] | None],
+        initial_offset: int,
+    ) -> dict[str, Any]:
+        """Completions format: tokens, token_logprobs, top_logprobs (token text -> logprob), text_offset
+        (character offset of each token in the choice's text, counting from ``initial_offset``)."""
+        tokens: list[str] = []
+        token_logprobs: list[float | None] = []
+        top_logprobs: list[dict[str, float] | None] = []
+        text_offset: list[int] = []
+        offset = initial_offset
+        for token_id, row in zip(token_ids, rows):
+            text = self.token_str(token_id, row)
+            tokens.append(text)
+            text_offset.append(offset)
+            offset += len(text)
+            if row is None or token_id not in row:
+                token_logprobs.append(None)
+                top_logprobs.append(None)
+                continue
+            token_logprobs.append(clamp_logprob(row[token_id].logprob))
+            top_logprobs.append({self.token_str(t, row): clamp_logprob(lp.logprob) for t, lp in row.items()})
+        return {
+            "text_offset": text_offset,
+            "token_logprobs": token_logprobs,
+            "tokens": tokens,
+            "top_logprobs": top_logprobs,
+        }
+
+    def chat_logprobs(
+        self, token_ids: list[int], rows: list[dict[int, Logprob]], num_top: int
+    ) -> list[dict[str, Any]]:
+        """Chat format: one entry per token with its text, logprob, UTF-8 bytes and the ``num_top`` best."""
+        content = []
+        for token_id, row in zip(token_ids, rows):
+            text = self.token_str(token_id, row)
+            lp = row.get(token_id)
+            ranked = sorted(
+                ((t, c) for t, c in row.items() if c.rank is not None and c.rank <= num_top),
+                key=lambda x: x[1].rank,
+            )
+            top = []
+            for t, c in ranked:
+                t_text = self.token_str(t, row)
+                top.append(
+                    {"token": t_text, "logprob": clamp_logprob(c.logprob), "bytes": list(t_text.encode())}
+                )
+            content.append(
+                {
+                    "token": text,
+                    "logprob": clamp_logprob(lp.logprob) if lp is not None else _MIN_LOGPROB,
+                    "bytes": list(text.encode()),
+                    "top_logprobs": top,
+                }
+            )
+        return content
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Any]]:
+    """Yield ``(stream index, output)`` from several request streams as outputs arrive. Closes every stream
+    when the caller stops iterating (which aborts requests still running)."""
+    if len(streams) == 1:
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            streams[0].close()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+            queue.put_nowait((i, done))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, who raises it
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(streams)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            stream.close()
+
+
+async def wait_or_disconnect(raw_request: Request, work: Awaitable[T]) -> T | None:
+    """Run ``work``; if the client disconnects first, cancel it (aborting its requests) and return None."""
+    task = asyncio.ensure_future(work)
+
+    async def wait_disconnect() -> None:
+        while True:
+            message = await raw_request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(wait_disconnect())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        watcher.cancel()
+        raise
+    if task.done():
+        watcher.cancel()
+        return task.result()
+    task.cancel()  # the client went away: abort its requests
+    try:
+        await task
+    except (asyncio.CancelledError, Exception):  # noqa: BLE001 - nobody is left to tell
+        pass
+    return None

@@ -1,0 +1,379 @@
+"""Causal paged attention over a ragged batch (prefill chunks with cached context, and decodes) in one kernel.
+
+Layout (see ``pagedllm/attention/base.py``): query ``[num_tokens, num_heads, head_dim]``, one layer's cache
+``[2, num_blocks, block_size, num_kv_heads, head_dim]``. Request r owns query rows
+``query_start_loc[r] .. query_start_loc[r + 1]``; its context is ``seq_lens[r]`` tokens, the last
+``q_len`` of them being this step's queries, so query i of r sits at position ``seq_lens[r] - q_len + i``.
+
+Work split. One program owns one *q tile* of one KV head: ``BLOCK_Q`` consecutive query tokens of one
+request times all ``group = num_heads // num_kv_heads`` query heads that share the KV head, i.e. a
+``[BLOCK_M, head_dim]`` tile with row ``m`` = (token ``m // G_PAD``, head ``kv_head * group + m % G_PAD``).
+Each K/V tile is loaded once per KV head and used by the whole group through ``tl.dot``. The program walks
+the keys its last query may see, ``TILE_N`` at a time, gathering each key's block through the block table,
+with an online softmax in fp32 (base 2, the scale folded into the scores).
+
+Grid ``(num_q_tiles, num_kv_heads, num_splits)``:
+
+* mixed / prefill batches: ``num_q_tiles = num_tokens // BLOCK_Q + num_reqs``, an upper bound on the
+  tiles of all requests (request r's tiles start at ``query_start_loc[r] // BLOCK_Q + r``; each program
+  finds its request by binary search over ``query_start_loc``; surplus programs exit at once);
+* pure decode (``max_query_len == 1``): ``num_q_tiles = num_reqs``, program r is request r, no search.
+
+Split-K (flash-decoding): when the grid is too small to fill the GPU and contexts are long, each q tile's
+key range is cut into ``num_splits`` equal runs of tiles (computed in the kernel from the real
+``seq_lens``, so any split count is correct for any length). Each split writes an unnormalized partial
+output with its running max and sum to fp32 scratch and a second kernel merges them. See
+:func:`num_kv_splits` for the rule.
+
+CUDA graphs. The launcher reads only Python ints and never syncs. The attention grid is
+``(num_q_tiles, num_kv_heads, num_splits)`` with ``num_q_tiles`` as above (``BLOCK_Q`` from
+:func:`tile_config`, a function of ``max_query_len``, the group, head_dim and dtype) and
+``num_splits = num_kv_splits(num_q_tiles, num_kv_heads, max_seq_len, num_SMs)``; with ``num_splits > 1`` a
+merge kernel runs over ``(query.shape[0], num_heads)`` and fp32 scratch is taken with ``torch.empty`` (from
+the graph's pool while capturing). To capture pure decode for a padded batch size B, call with
+``num_reqs=B``, ``max_query_len=1`` and a fixed ``max_seq_len`` (say max_model_len): the grid is then fixed,
+and replays are correct for any ``seq_lens`` the block table covers, since the kernel reads lengths from
+device memory. Padding requests may have ``seq_lens == 0`` (their rows come out 0) or a query length of 0.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+# Split-K rule constants (see num_kv_splits).
+_SPLIT_MIN_KEYS = 256  # fewest keys one split should walk
+_MAX_SPLITS = 32
+_PROGRAMS_PER_SM = 4  # aim for this many programs per SM before splitting stops paying
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8  # Triton's CPU interpreter: any small number exercises the split path
+
+
+@functools.lru_cache(maxsize=1024)
+def num_kv_splits(num_q_tiles: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """How many programs share one q tile's keys: a power of two in [1, 32].
+
+    Split only while the grid ``num_q_tiles * num_kv_heads`` is under ``4 * num_sms`` programs, and never
+    below 256 keys per split (for ``max_seq_len``). Depends only on these four integers.
+    """
+    base = num_q_tiles * num_kv_heads
+    target = _PROGRAMS_PER_SM * num_sms
+    if base >= target or max_seq_len < 2 * _SPLIT_MIN_KEYS:
+        return 1
+    splits = min(triton.cdiv(target, base), max_seq_len // _SPLIT_MIN_KEYS, _MAX_SPLITS)
+    return 1 << (splits.bit_length() - 1)  # round down to a power of two
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,  # [num_tokens, num_heads, head_dim]
+    kv_cache_ptr,  # [2, num_blocks, block_size, num_kv_heads, head_dim]: keys at 0, values at stride_kv
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    part_acc_ptr,  # [num_tokens, num_heads, NUM_SPLITS, head_dim] fp32 (only when NUM_SPLITS > 1)
+    part_ml_ptr,  # [2, num_tokens, num_heads, NUM_SPLITS] fp32: running max (log2 units), running sum
+    block_table_ptr,  # [num_reqs, max_blocks_per_req] int32
+    seq_lens_ptr,  # [num_reqs] int32
+    query_start_loc_ptr,  # [num_reqs + 1] int32
+    num_reqs,
+    part_ml_stride,  # num_tokens * num_heads * NUM_SPLITS
+    qk_scale,  # softmax scale * log2(e)
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kv,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,  # num_heads // num_kv_heads
+    G_PAD: tl.constexpr,  # next power of two >= GROUP
+    BLOCK_Q: tl.constexpr,  # query tokens per tile (BLOCK_Q * G_PAD <= BLOCK_M)
+    BLOCK_M: tl.constexpr,  # tile rows, >= 16 for tl.dot
+    TILE_N: tl.constexpr,  # keys per inner step
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # KV cache block size
+    NUM_SPLITS: tl.constexpr,
+    PURE_DECODE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, else "tf32" (ignored for 16-bit inputs)
+):
+    tile_id = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # Find the request and the first query token of this tile.
+    if PURE_DECODE:
+        req = tile_id
+        q_tok0 = 0
+    else:
+        lo = 0
+        hi = num_reqs - 1
+        while lo < hi:  # largest r with query_start_loc[r] // BLOCK_Q + r <= tile_id
+            mid = (lo + hi + 1) // 2
+            first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+            go_right = first_tile <= tile_id
+            lo = tl.where(go_right, mid, lo)
+            hi = tl.where(go_right, hi, mid - 1)
+        req = lo
+        q_tok0 = (tile_id - (tl.load(query_start_loc_ptr + req) // BLOCK_Q + req)) * BLOCK_Q
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    if q_tok0 >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    ctx_len = seq_len - q_len  # keys already cached before this step's queries
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    tok = offs_m // G_PAD
+    g = offs_m % G_PAD
+    q_tok = q_tok0 + tok
+    row_valid = (tok < BLOCK_Q) & (g < GROUP) & (q_tok < q_len)
+    head = kv_head * GROUP + g
+    q_row = (q_start + q_tok).to(tl.int64)
+    q_pos = ctx_len + q_tok  # absolute position of each row's query
+
+    q = tl.load(
+        q_ptr + q_row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=row_valid[:, None],
+        other=0.0,
+    )
+
+    # Keys [0, kv_end) are visible to the last query of this tile.
+    kv_end = tl.minimum(seq_len, ctx_len + tl.minimum(q_tok0 + BLOCK_Q, q_len))
+    num_tiles = tl.cdiv(kv_end, TILE_N)
+    if NUM_SPLITS > 1:
+        tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+        tile_lo = split * tiles_per_split
+        tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    else:
+        tile_lo = 0
+        tile_hi = num_tiles
+
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: keeps fully masked rows NaN-free
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    block_table_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    kv_head_off = kv_head * stride_ch
+    v_cache_ptr = kv_cache_ptr + stride_kv
+
+    for t in range(tile_lo, tile_hi):
+        offs_n = t * TILE_N + tl.arange(0, TILE_N)
+        n_valid = offs_n < kv_end
+        block = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+        slot_off = block * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs + kv_head_off  # [TILE_N]
+        k = tl.load(
+            kv_cache_ptr + slot_off[None, :] + offs_d[:, None], mask=n_valid[None, :], other=0.0
+        )  # [HEAD_DIM, TILE_N]
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
+        visible = n_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_cache_ptr + slot_off[:, None] + offs_d[None, :], mask=n_valid[:, None], other=0.0
+        )  # [TILE_N, HEAD_DIM]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_valid[:, None],
+        )
+    else:
+        part_row = (q_row * NUM_HEADS + head) * NUM_SPLITS + split  # [BLOCK_M]
+        tl.store(part_acc_ptr + part_row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_valid[:, None])
+        tl.store(part_ml_ptr + part_row, m_i, mask=row_valid)
+        tl.store(part_ml_ptr + part_ml_stride + part_row, l_i, mask=row_valid)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    part_acc_ptr,  # [num_tokens, num_heads, NUM_SPLITS, head_dim] fp32
+    part_ml_ptr,  # [2, num_tokens, num_heads, NUM_SPLITS] fp32
+    query_start_loc_ptr,  # [num_reqs + 1] int32
+    num_reqs,
+    part_ml_stride,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    if t >= tl.load(query_start_loc_ptr + num_reqs):  # padding row: no request wrote partials
+        return
+    row = (t.to(tl.int64) * NUM_HEADS + h) * NUM_SPLITS
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, HEAD_DIM)
+    m = tl.load(part_ml_ptr + row + offs_s)
+    l_s = tl.load(part_ml_ptr + part_ml_stride + row + offs_s)
+    w = tl.math.exp2(m - tl.max(m, 0))  # [NUM_SPLITS]
+    denom = tl.sum(w * l_s, 0)
+    acc = tl.load(part_acc_ptr + (row + offs_s)[:, None] * HEAD_DIM + offs_d[None, :])
+    out = tl.sum(acc * w[:, None], 0) / tl.where(denom > 0.0, denom, 1.0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
+
+
+@functools.lru_cache(maxsize=256)
+def tile_config(
+    max_query_len: int, group: int, head_dim: int, dtype: torch.dtype
+) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_Q, TILE_N, num_warps, num_stages) for a batch's longest query, GQA group and dtype.
+
+    Chosen from sm_90 compiles (triton 3.6 and 3.9) to stay clear of register spills: 16-bit prefill tiles
+    of 64 rows use wgmma (~176 registers at head_dim 128), decode tiles of 16 rows use mma.sync (~90).
+    fp32 runs exact (non-tf32) FMA dots, which need small tiles and 8 warps.
+    """
+    g_pad = triton.next_power_of_2(group)
+    if dtype == torch.float32:
+        tile_n = 32 if head_dim <= 128 and max_query_len <= 1 else 16
+        rows_cap, num_warps = 32, 8
+    else:
+        tile_n = 64 if head_dim <= 128 else 32
+        rows_cap, num_warps = 64, (4 if head_dim <= 128 else 8)
+    if max_query_len <= 1:
+        return max(16, g_pad), 1, tile_n, (num_warps if dtype == torch.float32 else 4), 2
+    block_m = max(16, min(triton.next_power_of_2(max_query_len) * g_pad, rows_cap), g_pad)
+    if block_m < 64 and dtype != torch.float32:
+        num_warps = 4
+    return block_m, max(1, block_m // g_pad), tile_n, num_warps, 2
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_table: torch.Tensor,  # [num_reqs, max_blocks_per_req] int32
+    seq_lens: torch.Tensor,  # [num_reqs] int32
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
+    scale: float,
+    num_reqs: int,
+    max_query_len: int,
+    max_seq_len: int,
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    num_splits: int | None = None,  # override the split-K rule (tests); a power of two
+    config: tuple[int, int, int, int, int] | None = None,  # override tile_config (benchmark sweeps)
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Causal attention of ``query`` over the paged cache (this step's keys must already be written).
+
+    Rows past ``query_start_loc[num_reqs]`` (padding) are left unwritten. No host sync: the grid comes
+    from ``query.shape[0]``, ``num_reqs``, ``max_query_len`` and ``max_seq_len`` (see module docstring).
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2, f"bad kv_cache shape {tuple(kv_cache.shape)}"
+    _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
+    assert cache_head_dim == head_dim, f"head_dim {head_dim} != cache head_dim {cache_head_dim}"
+    assert num_heads % num_kv_heads == 0, f"num_heads {num_heads} not a multiple of {num_kv_heads}"
+    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, (
+        f"head_dim {head_dim}: need a power of two >= 16"
+    )
+    assert query.dtype == kv_cache.dtype, f"query {query.dtype} != kv_cache {kv_cache.dtype}"
+    assert query.stride(2) == 1 and kv_cache.stride(4) == 1, "head_dim must be contiguous"
+    assert block_table.dtype == seq_lens.dtype == query_start_loc.dtype == torch.int32
+    assert block_table.stride(1) == 1
+    if out is None:
+        out = torch.empty_like(query)
+    if num_tokens == 0 or num_reqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    block_m, block_q, tile_n, num_warps, num_stages = config or tile_config(
+        max_query_len, group, head_dim, query.dtype
+    )
+    pure_decode = max_query_len <= 1
+    num_q_tiles = num_reqs if pure_decode else num_tokens // block_q + num_reqs
+    if num_splits is None:
+        num_splits = num_kv_splits(num_q_tiles, num_kv_heads, max_seq_len, _num_sms(query.device))
+    assert num_splits >= 1 and num_splits & (num_splits - 1) == 0, f"num_splits {num_splits}"
+
+    if num_splits > 1:
+        part_acc = torch.empty(
+            (num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
+        )
+        part_ml = torch.empty(
+            (2, num_tokens, num_heads, num_splits), dtype=torch.float32, device=query.device
+        )
+    else:
+        part_acc = part_ml = out  # unused
+    part_ml_stride = num_tokens * num_heads * num_splits
+    _paged_attention_kernel[(num_q_tiles, num_kv_heads, num_splits)](
+        query,
+        kv_cache,
+        out,
+        part_acc,
+        part_ml,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        num_reqs,
+        part_ml_stride,
+        scale * 1.4426950408889634,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        block_table.stride(0),
+        NUM_HEADS=num_heads,
+        GROUP=group,
+        G_PAD=triton.next_power_of_2(group),
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        TILE_N=tile_n,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        NUM_SPLITS=num_splits,
+        PURE_DECODE=pure_decode,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            out,
+            part_acc,
+            part_ml,
+            query_start_loc,
+            num_reqs,
+            part_ml_stride,
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            NUM_SPLITS=num_splits,
+            num_warps=4 if head_dim * num_splits >= 2048 else 2,
+        )
+    return out
+
+
+def paged_attention_ref(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table: torch.Tensor,  # [num_reqs, max_blocks_per_req] int32
+    seq_lens: torch.Tensor,  # [num_reqs] int32
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """PyTorch twin of :func:`paged_attention`: the reference in ``pagedllm.attention.torch_ref``."""
+    from pagedllm.attention.torch_ref import paged_attention_ref as ref
+
+    return ref(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale)

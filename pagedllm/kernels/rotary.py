@@ -1,0 +1,105 @@
+"""Neox-style rotary embedding applied in place to q and k.
+
+For each token at position ``p`` and each head, the first ``rotary_dim = 2 * cos_cache.shape[1]`` dims are
+split into halves ``x1, x2`` and replaced by ``x1 * cos - x2 * sin`` and ``x2 * cos + x1 * sin`` with
+``cos = cos_cache[p]``, ``sin = sin_cache[p]``; dims past ``rotary_dim`` are untouched. Math in fp32, one
+rounding to the tensor dtype. One program per token handles all q and k heads.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr, row, stride_t, stride_h, cos, sin, num_heads, HEADS_PAD: tl.constexpr, HALF: tl.constexpr
+):
+    h = tl.arange(0, HEADS_PAD)[:, None]
+    d = tl.arange(0, HALF)[None, :]
+    mask = h < num_heads
+    ptr1 = x_ptr + row * stride_t + h * stride_h + d
+    x1 = tl.load(ptr1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(ptr1 + HALF, mask=mask, other=0.0).to(tl.float32)
+    tl.store(ptr1, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(ptr1 + HALF, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    q_ptr,  # [num_tokens, num_heads, head_dim]
+    k_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    cos_ptr,  # [max_position, rotary_dim // 2]
+    sin_ptr,  # [max_position, rotary_dim // 2]
+    positions_ptr,  # [num_tokens]
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_cos,
+    stride_sin,
+    num_heads,
+    num_kv_heads,
+    HALF: tl.constexpr,  # rotary_dim // 2, a power of two
+    Q_HEADS_PAD: tl.constexpr,
+    K_HEADS_PAD: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + row).to(tl.int64)
+    d = tl.arange(0, HALF)[None, :]
+    cos = tl.load(cos_ptr + pos * stride_cos + d).to(tl.float32)  # [1, HALF]
+    sin = tl.load(sin_ptr + pos * stride_sin + d).to(tl.float32)
+    _rotate_heads(q_ptr, row, stride_qt, stride_qh, cos, sin, num_heads, Q_HEADS_PAD, HALF)
+    _rotate_heads(k_ptr, row, stride_kt, stride_kh, cos, sin, num_kv_heads, K_HEADS_PAD, HALF)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,  # [num_tokens] int32/int64
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim], rotated in place
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], rotated in place
+    cos_cache: torch.Tensor,  # [max_position, rotary_dim // 2]
+    sin_cache: torch.Tensor,  # [max_position, rotary_dim // 2]
+) -> None:
+    assert query.dim() == 3 and key.dim() == 3, f"q {tuple(query.shape)}, k {tuple(key.shape)}"
+    num_tokens, num_heads, head_dim = query.shape
+    assert key.shape[0] == num_tokens and key.shape[2] == head_dim, (
+        f"k {tuple(key.shape)} vs q {tuple(query.shape)}"
+    )
+    assert positions.shape == (num_tokens,) and positions.dtype in (torch.int32, torch.int64)
+    assert cos_cache.shape == sin_cache.shape and cos_cache.dim() == 2, f"cos {tuple(cos_cache.shape)}"
+    half = cos_cache.shape[1]
+    assert 2 * half <= head_dim and half & (half - 1) == 0, (
+        f"rotary_dim {2 * half}: a power of two <= {head_dim}"
+    )
+    assert query.dtype == key.dtype, f"q {query.dtype} != k {key.dtype}"
+    assert query.stride(2) == 1 and key.stride(2) == 1, "head_dim must be contiguous"
+    assert cos_cache.stride(1) == 1 and sin_cache.stride(1) == 1
+    if num_tokens == 0:
+        return
+    heads_pad = triton.next_power_of_2(max(num_heads, key.shape[1]))
+    _rotary_kernel[(num_tokens,)](
+        query, key, cos_cache, sin_cache, positions,
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1), cos_cache.stride(0), sin_cache.stride(0),
+        num_heads, key.shape[1],
+        HALF=half, Q_HEADS_PAD=triton.next_power_of_2(num_heads), K_HEADS_PAD=triton.next_power_of_2(key.shape[1]),
+        num_warps=4 if heads_pad * half >= 1024 else 1,
+    )  # fmt: skip
+
+
+def rotary_embedding_ref(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+) -> None:
+    """PyTorch twin of :func:`rotary_embedding` (also in place)."""
+    half = cos_cache.shape[1]
+    cos = cos_cache[positions].float()[:, None, :]  # [num_tokens, 1, half]
+    sin = sin_cache[positions].float()[:, None, :]
+    for x in (query, key):
+        x1, x2 = x[..., :half].float(), x[..., half : 2 * half].float()
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        x[..., : 2 * half] = rotated.to(x.dtype)

@@ -1,0 +1,133 @@
+"""Prometheus metrics with vLLM's meanings under the ``pagedllm:`` prefix.
+
+Gauges mirror the scheduler's last stats (running / waiting requests, KV cache usage). Counters that the core keeps
+cumulatively (prefix-cache queries and hits, preemptions) advance by the difference from the last stats seen.
+Token counters, finished-request counts and the latency histograms come from the front-end's per-step
+``IterationStats`` (one entry per sequence, so a request with n=2 counts twice, as in vLLM).
+
+Each server owns a ``CollectorRegistry``, so several servers (or tests) in one process do not collide.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from pagedllm.core.sched_output import SchedulerStats
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# No `*_created` series next to every counter and histogram (as in vLLM); this is process-wide.
+disable_created_metrics()
+
+# vLLM's buckets.
+_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]  # fmt: skip
+_ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0]  # fmt: skip
+_REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                    240.0, 480.0, 960.0, 1920.0, 7680.0]  # fmt: skip
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class PrometheusStatLogger:
+    """Turns engine stats into Prometheus metrics; pass ``record`` to ``AsyncLLM(stat_loggers=[...])``."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(f"pagedllm:{name}", doc, labels, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(f"pagedllm:{name}", doc, labels, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: list[float]) -> Any:
+            return Histogram(f"pagedllm:{name}", doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_cache_usage = gauge("kv_cache_usage_perc", "KV cache usage: 1 means every block is in use.")
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.num_preemptions = counter("num_preemptions", "Requests preempted (their KV cache freed) so far.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed (once per sequence).")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self._request_success = Counter(
+            "pagedllm:request_success",
+            "Finished sequences, by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
+        self.request_success = {
+            reason: self._request_success.labels(model_name, reason) for reason in FINISH_REASONS
+        }
+        self.ttft = histogram("time_to_first_token_seconds", "Time to the first token.", _TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive outputs.", _ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", _REQUEST_BUCKETS)
+        self.queue_time = histogram(
+            "request_queue_time_seconds",
+            "Arrival to first scheduled (waiting in the queue).",
+            _REQUEST_BUCKETS,
+        )
+        self._last_cumulative: dict[str, int] = {}
+        self.model_name = model_name
+
+    def _advance(self, metric: Any, key: str, total: int) -> None:
+        last = self._last_cumulative.get(key, 0)
+        if total >= last:
+            metric.inc(total - last)
+        # A smaller total means the core started over; count from there.
+        self._last_cumulative[key] = total
+
+    def record_scheduler_stats(self, stats: SchedulerStats) -> None:
+        self.num_requests_running.set(stats.num_running_reqs)
+        self.num_requests_waiting.set(stats.num_waiting_reqs)
+        self.kv_cache_usage.set(stats.kv_cache_usage)
+        self._advance(self.prefix_cache_queries, "prefix_cache_queries", stats.prefix_cache_queries)
+        self._advance(self.prefix_cache_hits, "prefix_cache_hits", stats.prefix_cache_hits)
+        self._advance(self.num_preemptions, "num_preemptions", stats.num_preemptions)
+
+    def record_iteration_stats(self, stats: Any) -> None:
+        if stats.num_prompt_tokens:
+            self.prompt_tokens.inc(stats.num_prompt_tokens)
+        if stats.num_generation_tokens:
+            self.generation_tokens.inc(stats.num_generation_tokens)
+        for value in stats.time_to_first_tokens:
+            self.ttft.observe(value)
+        for value in stats.inter_token_latencies:
+            self.itl.observe(value)
+        for finished in stats.finished_requests:
+            counter = self.request_success.get(finished.finish_reason)
+            if counter is None:
+                counter = self._request_success.labels(self.model_name, finished.finish_reason)
+                self.request_success[finished.finish_reason] = counter
+            counter.inc()
+            self.e2e.observe(finished.e2e_latency)
+            queue_time = getattr(finished, "queue_time", None)
+            if queue_time is not None:
+                self.queue_time.observe(queue_time)
+
+    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: Any | None) -> None:
+        """The ``AsyncLLM`` stat-logger hook."""
+        if scheduler_stats is not None:
+            self.record_scheduler_stats(scheduler_stats)
+        if iteration_stats is not None:
+            self.record_iteration_stats(iteration_stats)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,79 @@
+"""The `pagedllm` command line: dispatch, lazy subcommand imports, and the chat REPL."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pagedllm.entrypoints import cli
+from tests.entrypoints.server_utils import REPO_ROOT
+
+
+def test_help_lists_commands(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for name in ("serve", "generate", "chat", "bench"):
+        assert name in out
+    assert cli.main([]) == 2
+
+
+@pytest.mark.parametrize("argv", [["serve", "--help"], ["bench", "serve", "--help"], ["chat", "--help"]])
+def test_subcommand_help(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "--model" in out or "--base-url" in out
+
+
+def test_serve_flags(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--help"])
+    out = capsys.readouterr().out
+    for flag in (
+        "--host", "--port", "--api-key", "--served-model-name", "--max-model-len", "--gpu-memory-utilization",
+        "--max-num-seqs", "--max-num-batched-tokens", "--block-size", "--enable-prefix-caching",
+        "--no-enable-prefix-caching", "--dtype", "--seed", "--chat-template", "--enforce-eager", "--load-format",
+        "--device", "--disable-log-requests", "--uvicorn-log-level", "--max-logprobs", "--max-request-body-bytes",
+    ):  # fmt: skip
+        assert flag in out, flag
+
+
+def test_a_missing_module_only_breaks_its_own_command(monkeypatch, capsys):
+    monkeypatch.setitem(cli.COMMANDS, "generate", ("pagedllm.no_such_module", "broken"))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "--model", "x"])
+    assert "unavailable" in str(e.value.code)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", "--help"])
+    assert e.value.code == 0
+
+
+def test_chat_repl(tiny_llama):
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pagedllm.entrypoints.cli",
+            "chat",
+            tiny_llama,
+            "--device",
+            "cpu",
+            "--max-tokens",
+            "4",
+        ],
+        input="hello\nmore\n\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=REPO_ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("> ") == 3

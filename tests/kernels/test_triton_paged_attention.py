@@ -1,0 +1,397 @@
+"""Triton paged attention (and the Triton backend) against the PyTorch reference in float64.
+
+GPU tests are marked ``gpu``. With ``TRITON_INTERPRET=1`` (see test_triton_interpreter.py) the ``interpret``
+tests run small shapes through Triton's CPU interpreter on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from pagedllm.attention.base import AttentionMetadata  # noqa: E402
+from pagedllm.attention.torch_ref import TorchAttentionBackend, paged_attention_ref  # noqa: E402
+from pagedllm.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from pagedllm.kernels.paged_attention import num_kv_splits, paged_attention  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+needs_cuda = pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs CUDA")
+needs_interpreter = pytest.mark.skipif(not INTERPRET, reason="set TRITON_INTERPRET=1")
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
+
+
+def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    assert torch.isfinite(out).all(), "non-finite output (unwritten or NaN)"
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def make_batch(
+    lens: list[tuple[int, int]],  # (query_len, seq_len) per request
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: str,
+    seed: int = 0,
+    pad_tokens: int = 0,
+) -> dict:
+    """A random ragged batch whose context keys are already in a NaN-poisoned paged cache."""
+    g = torch.Generator().manual_seed(seed)
+    num_reqs = len(lens)
+    q_lens = [q for q, _ in lens]
+    seq_lens = [s for _, s in lens]
+    blocks_per_req = [triton.cdiv(s, block_size) for s in seq_lens]
+    max_blocks = max(blocks_per_req) + 2
+    num_blocks = sum(blocks_per_req) + 3
+    perm = torch.randperm(num_blocks, generator=g)
+    block_table = torch.randint(
+        10**6, 10**7, (num_reqs, max_blocks), generator=g, dtype=torch.int32
+    )  # poison
+    kv_cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
+    used = 0
+    for r, (n_blocks, s) in enumerate(zip(blocks_per_req, seq_lens)):
+        ids = perm[used : used + n_blocks]
+        used += n_blocks
+        block_table[r, :n_blocks] = ids.to(torch.int32)
+        kv = torch.randn(2, n_blocks * block_size, num_kv_heads, head_dim, generator=g)[:, :s]
+        flat = kv_cache[:, ids].flatten(1, 2)  # [2, n_blocks * block_size, num_kv_heads, head_dim]
+        flat[:, :s] = kv.to(dtype)
+        kv_cache[:, ids] = flat.view(2, n_blocks, block_size, num_kv_heads, head_dim)
+    num_tokens = sum(q_lens)
+    # The query is a strided view into a wider buffer, as when split out of a fused qkv projection.
+    qkv = torch.randn(num_tokens + pad_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=g)
+    query = qkv.to(dtype).to(device)[:, :num_heads]
+    query_start_loc = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+    return dict(
+        query=query,
+        kv_cache=kv_cache.to(device),
+        block_table=block_table.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        query_start_loc=query_start_loc.to(device),
+        num_reqs=num_reqs,
+        num_tokens=num_tokens,
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+    )
+
+
+def check_attention(
+    lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, num_splits=None, seed=0, pad_tokens=0
+) -> float:
+    b = make_batch(lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, seed, pad_tokens)
+    scale = head_dim**-0.5
+    out = torch.full_like(b["query"], float("nan"))
+    paged_attention(
+        b["query"],
+        b["kv_cache"],
+        b["block_table"],
+        b["seq_lens"],
+        b["query_start_loc"],
+        scale,
+        b["num_reqs"],
+        b["max_query_len"],
+        b["max_seq_len"],
+        out=out,
+        num_splits=num_splits,
+    )
+    cache64 = b["kv_cache"].double()
+    ref = paged_attention_ref(
+        b["query"].double(),
+        cache64[0],
+        cache64[1],
+        b["block_table"],
+        b["seq_lens"],
+        b["query_start_loc"],
+        scale,
+    )
+    n = b["num_tokens"]
+    err = rel_l2(out[:n], ref[:n])
+    assert err < TOL[dtype], f"rel L2 {err:.2e} >= {TOL[dtype]:.0e} for {lens}"
+    return err
+
+
+# (query_len, seq_len) per request.
+DECODE = [(1, 1), (1, 17), (1, 100), (1, 33), (1, 64)]
+PREFILL = [(37, 37), (5, 5), (64, 64), (1, 1)]
+CHUNKED = [(16, 80), (7, 7), (33, 129), (1, 200)]  # prefill chunks over cached context, mixed with a decode
+MIXED = [(1, 50), (20, 20), (1, 3), (0, 9), (12, 45), (1, 129)]  # (0, 9): a request with no tokens this step
+
+
+def check_padding_requests(device: str, num_splits: int | None) -> None:
+    """Padding requests as a CUDA-graph batch has them: seq_len 0 gives a zero row, other rows unaffected."""
+    lens = [(1, 40), (1, 1), (1, 600), (1, 1)]
+    b = make_batch(lens, 8, 2, 32, 16, torch.bfloat16, device)
+    cache64 = b["kv_cache"].double()
+    ref = paged_attention_ref(
+        b["query"].double(),
+        cache64[0],
+        cache64[1],
+        b["block_table"],
+        b["seq_lens"],
+        b["query_start_loc"],
+        0.2,
+    )
+    b["seq_lens"][1] = 0
+    b["seq_lens"][3] = 0
+    out = torch.full_like(b["query"], float("nan"))
+    paged_attention(
+        b["query"], b["kv_cache"], b["block_table"], b["seq_lens"], b["query_start_loc"], 0.2, 4, 1, 600,
+        out=out, num_splits=num_splits,
+    )  # fmt: skip
+    assert torch.equal(out[[1, 3]], torch.zeros_like(out[[1, 3]]))
+    assert rel_l2(out[[0, 2]], ref[[0, 2]]) < TOL[torch.bfloat16]
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+
+# Each distinct (dtype, block size, group, head_dim, tile config, splits) is one Triton compile (~1-2 s), so
+# the sweeps below vary one axis at a time around Llama-3-8B's shape (32/8 heads, head_dim 128, block 16).
+ALL_LENS = pytest.mark.parametrize(
+    "lens", [DECODE, PREFILL, CHUNKED, MIXED], ids=["decode", "prefill", "chunked", "mixed"]
+)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@ALL_LENS
+def test_paged_attention_dtypes_gpu(dtype, lens):
+    check_attention(lens, 32, 8, 128, 16, dtype, "cuda")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("block_size", [1, 2, 8, 32, 64, 128])
+@ALL_LENS
+def test_paged_attention_block_sizes_gpu(block_size, lens):
+    check_attention(lens, 32, 8, 128, block_size, torch.bfloat16, "cuda")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("heads", [(8, 8), (28, 4), (16, 1), (64, 4)], ids=["mha", "g7", "mqa", "g16"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@ALL_LENS
+def test_paged_attention_gqa_gpu(heads, dtype, lens):
+    check_attention(lens, heads[0], heads[1], 128, 16, dtype, "cuda")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("head_dim", [64, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_paged_attention_head_dims_gpu(head_dim, dtype):
+    check_attention(MIXED, 16, 4, head_dim, 16, dtype, "cuda")
+    check_attention(DECODE, 16, 4, head_dim, 16, dtype, "cuda", num_splits=4)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("num_splits", [None, 2, 8, 32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_paged_attention_split_k_gpu(num_splits, dtype):
+    lens = [(1, 4096), (1, 1), (1, 3001), (1, 700), (1, 17)]
+    check_attention(lens, 32, 8, 128, 16, dtype, "cuda", num_splits=num_splits)
+    check_attention([(1, 8191)], 32, 8, 128, 16, dtype, "cuda", num_splits=num_splits)
+    # Split-K over a chunked prefill with a long cached prefix.
+    check_attention([(40, 5000), (1, 900)], 32, 8, 128, 32, dtype, "cuda", num_splits=num_splits)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("seed", range(6))
+def test_paged_attention_random_gpu(seed):
+    g = torch.Generator().manual_seed(seed)
+    num_reqs = int(torch.randint(1, 40, (1,), generator=g))
+    lens = []
+    for _ in range(num_reqs):
+        seq_len = int(torch.randint(1, 3000, (1,), generator=g))
+        q_len = (
+            1
+            if torch.rand(1, generator=g) < 0.6
+            else int(torch.randint(1, min(seq_len, 300) + 1, (1,), generator=g))
+        )
+        lens.append((q_len, seq_len))
+    check_attention(lens, 32, 8, 128, [16, 32, 64][seed % 3], torch.bfloat16, "cuda", seed=seed, pad_tokens=5)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_padding_requests_gpu(num_splits):
+    check_padding_requests("cuda", num_splits)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_paged_attention_long_prefill_gpu():
+    check_attention([(1024, 1024), (1024, 1024)], 32, 8, 128, 16, torch.bfloat16, "cuda")
+    check_attention([(2048, 6000)], 32, 8, 128, 16, torch.bfloat16, "cuda")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_paged_attention_large_cache_gpu():
+    """A cache of more than 2**31 elements per half (8.6 GB): block and value offsets must be 64-bit."""
+    block_size, num_kv_heads, head_dim = 16, 8, 128
+    num_blocks = 2**31 // (block_size * num_kv_heads * head_dim) + 64
+    try:
+        kv_cache = torch.zeros(
+            (2, num_blocks, block_size, num_kv_heads, head_dim), dtype=torch.bfloat16, device="cuda"
+        )
+    except torch.OutOfMemoryError:
+        pytest.skip("not enough GPU memory")
+    ids = torch.tensor([num_blocks - 1, 0, num_blocks - 7, num_blocks // 2, num_blocks - 2], device="cuda")
+    kv_cache[:, ids] = torch.randn(2, 5, block_size, num_kv_heads, head_dim, device="cuda").to(torch.bfloat16)
+    block_table = ids.to(torch.int32)[None, :]
+    seq_lens = torch.tensor([70], dtype=torch.int32, device="cuda")
+    for q_len in (1, 9):
+        query = torch.randn(q_len, 32, head_dim, device="cuda").to(torch.bfloat16)
+        qsl = torch.tensor([0, q_len], dtype=torch.int32, device="cuda")
+        for splits in (1, 2):
+            out = paged_attention(
+                query, kv_cache, block_table, seq_lens, qsl, 0.1, 1, q_len, 70, num_splits=splits
+            )
+            ref = paged_attention_ref(
+                query.double(), kv_cache[0, ids].double(), kv_cache[1, ids].double(),
+                torch.arange(5, dtype=torch.int32, device="cuda")[None, :], seq_lens, qsl, 0.1,
+            )  # fmt: skip
+            assert rel_l2(out, ref) < TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_decode_cuda_graph_gpu():
+    """Capture a pure-decode step once (split-K grid sized for max_seq_len 8192), then replay it with other
+    lengths and queries: it must match the reference each time."""
+    lens = [(1, 300), (1, 2000), (1, 5), (1, 1000)]
+    b = make_batch(lens, 32, 8, 128, 16, torch.bfloat16, "cuda")
+    query, kv_cache, block_table, seq_lens, qsl = (
+        b[k] for k in ("query", "kv_cache", "block_table", "seq_lens", "query_start_loc")
+    )
+    out = torch.full_like(query, float("nan"))
+
+    def step():
+        paged_attention(query, kv_cache, block_table, seq_lens, qsl, 0.1, 4, 1, 8192, out=out)
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    cache64 = kv_cache.double()
+    for new_lens in ([250, 1999, 1, 17], [300, 2000, 5, 1000], [1, 1, 1, 1]):
+        seq_lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        query.copy_(torch.randn(query.shape, device="cuda").to(query.dtype))
+        out.fill_(float("nan"))
+        graph.replay()
+        ref = paged_attention_ref(query.double(), cache64[0], cache64[1], block_table, seq_lens, qsl, 0.1)
+        assert rel_l2(out, ref) < TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_backend_matches_torch_gpu(dtype):
+    check_backend(dtype, "cuda")
+
+
+# --------------------------------------------------------------------------------------- interpreter
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@needs_interpreter
+def test_paged_attention_interpret(dtype):
+    check_attention(MIXED, 4, 2, 16, 16, dtype, "cpu")
+    check_attention(CHUNKED, 8, 2, 32, 4, dtype, "cpu", pad_tokens=3)
+    check_attention(DECODE, 4, 1, 16, 8, dtype, "cpu")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("block_size", [1, 2, 32, 128])
+def test_paged_attention_block_sizes_interpret(block_size):
+    check_attention(CHUNKED, 6, 2, 16, block_size, torch.float32, "cpu")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("heads", [(3, 1), (7, 7), (20, 1)])
+def test_paged_attention_gqa_interpret(heads):
+    check_attention(MIXED, heads[0], heads[1], 16, 16, torch.bfloat16, "cpu")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("num_splits", [None, 2, 4, 16])
+def test_paged_attention_split_k_interpret(num_splits):
+    check_attention([(1, 600), (1, 1), (1, 75), (1, 1100)], 4, 2, 16, 16, torch.float32, "cpu", num_splits)
+    check_attention([(9, 700), (1, 40), (3, 3)], 4, 2, 16, 16, torch.bfloat16, "cpu", num_splits)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_padding_requests_interpret(num_splits):
+    check_padding_requests("cpu", num_splits)
+
+
+@needs_interpreter
+def test_triton_backend_matches_torch_interpret():
+    check_backend(torch.float32, "cpu")
+
+
+# ---------------------------------------------------------------------------------------------- CPU
+
+
+def test_num_kv_splits_rule():
+    assert num_kv_splits(1, 8, 4096, 132) == 16
+    assert num_kv_splits(128, 8, 4096, 132) == 1  # grid already fills the GPU
+    assert num_kv_splits(1, 8, 300, 132) == 1  # too short to split
+    assert num_kv_splits(1, 1, 10**6, 132) == 32  # capped
+    for reqs in (1, 3, 8, 32, 64):
+        for seq in (1, 500, 513, 4096, 10**5):
+            s = num_kv_splits(reqs, 8, seq, 132)
+            assert s & (s - 1) == 0 and 1 <= s <= 32
+
+
+def check_backend(dtype, device):
+    """The whole backend step (cache write, attention) against TorchAttentionBackend on one batch."""
+    lens = [(1, 40), (13, 30), (1, 9), (6, 6)]
+    num_heads, num_kv_heads, head_dim, block_size = 8, 2, 32, 16
+    b = make_batch(lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, seed=3, pad_tokens=2)
+    num_tokens = b["num_tokens"]
+    # Slots of this step's tokens: positions seq_len - q_len .. seq_len - 1 of each request.
+    slots = []
+    block_table = b["block_table"].cpu()
+    for r, (q_len, seq_len) in enumerate(lens):
+        for pos in range(seq_len - q_len, seq_len):
+            slots.append(int(block_table[r, pos // block_size]) * block_size + pos % block_size)
+    slot_mapping = torch.tensor(slots + [-1, -1], dtype=torch.int64, device=device)
+    g = torch.Generator().manual_seed(7)
+    key = torch.randn(num_tokens + 2, num_kv_heads, head_dim, generator=g).to(dtype).to(device)
+    value = torch.randn(num_tokens + 2, num_kv_heads, head_dim, generator=g).to(dtype).to(device)
+    query = b["query"]
+    metadata = AttentionMetadata(
+        num_reqs=len(lens),
+        num_tokens=num_tokens,
+        max_query_len=b["max_query_len"],
+        max_seq_len=b["max_seq_len"],
+        query_start_loc=b["query_start_loc"],
+        seq_lens=b["seq_lens"],
+        block_table=b["block_table"],
+        slot_mapping=slot_mapping,
+        query_start_loc_cpu=b["query_start_loc"].cpu(),
+        seq_lens_cpu=b["seq_lens"].cpu(),
+    )
+    cache_triton, cache_torch = b["kv_cache"].clone(), b["kv_cache"].clone()
+    out = TritonAttentionBackend().forward(query, key, value, cache_triton, metadata, head_dim**-0.5)
+    ref = TorchAttentionBackend().forward(query, key, value, cache_torch, metadata, head_dim**-0.5)
+    assert torch.equal(cache_triton.isnan(), cache_torch.isnan())
+    assert torch.equal(cache_triton.nan_to_num(), cache_torch.nan_to_num())
+    assert out.shape == ref.shape
+    assert torch.isfinite(out).all()  # padding rows are zeroed, like the reference
+    assert rel_l2(out, ref) < TOL[dtype] + (1e-2 if dtype == torch.bfloat16 else 0)
