@@ -190,6 +190,7 @@ class EngineConfig:
     enforce_eager: bool = False
     attention_backend: str | None = None  # None = automatic
     log_stats: bool = True
+    check_integrity_on_idle: bool = True  # check the KV block pool each time the engine runs out of work
 
 
 def make_engine_config(
@@ -214,6 +215,7 @@ def make_engine_config(
     served_model_name: str | None = None,
     attention_backend: str | None = None,
     scheduling_policy: str = "fcfs",
+    check_integrity_on_idle: bool = True,
 ) -> EngineConfig:
     """Build every config from vLLM-named keyword arguments (what ``LLM(...)`` and ``pagedllm serve`` take)."""
     device_config = DeviceConfig(device)
@@ -254,4 +256,5 @@ def make_engine_config(
         device_config=device_config,
         enforce_eager=enforce_eager,
         attention_backend=attention_backend,
+        check_integrity_on_idle=check_integrity_on_idle,
     )

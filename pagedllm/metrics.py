@@ -65,6 +65,9 @@ class PrometheusStatLogger:
         )
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.num_preemptions = counter("num_preemptions", "Requests preempted (their KV cache freed) so far.")
+        self.integrity_check_failures = counter(
+            "integrity_check_failures", "Failed idle-time KV cache integrity checks (nonzero means a bug)."
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed (once per sequence).")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self._request_success = Counter(
@@ -101,6 +104,9 @@ class PrometheusStatLogger:
         self._advance(self.prefix_cache_queries, "prefix_cache_queries", stats.prefix_cache_queries)
         self._advance(self.prefix_cache_hits, "prefix_cache_hits", stats.prefix_cache_hits)
         self._advance(self.num_preemptions, "num_preemptions", stats.num_preemptions)
+        self._advance(
+            self.integrity_check_failures, "num_integrity_failures", stats.num_integrity_failures
+        )
 
     def record_iteration_stats(self, stats: Any) -> None:
         if stats.num_prompt_tokens:

@@ -92,6 +92,14 @@ class KVCacheManager:
         through ``cache_blocks`` once their KV has been computed: a request preempted before its forward must
         not leave hashes behind that point at unwritten blocks.
         """
+        if not new_computed_blocks:
+            # Fast path (most decode steps): the last block still has room.
+            blocks = self.req_to_blocks.get(request.request_id)
+            if (
+                blocks is not None
+                and request.num_computed_tokens + num_new_tokens <= len(blocks) * self.block_size
+            ):
+                return True
         new_computed_blocks = new_computed_blocks or []
         if self._num_blocks_short(request, num_new_tokens, new_computed_blocks) > 0:
             return False
@@ -121,8 +129,13 @@ class KVCacheManager:
             self.pool.cache_block(blocks[i], request.block_hashes[i])
         self.num_cached_blocks[request.request_id] = num_full
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+    def get_block_ids(self, request_id: str, start: int = 0) -> list[int]:
+        """Block ids of a request from its ``start``-th block on (the runner already holds the earlier ones)."""
+        blocks = self.req_to_blocks.get(request_id, [])
+        return [blocks[i].block_id for i in range(start, len(blocks))]
+
+    def num_blocks_of(self, request_id: str) -> int:
+        return len(self.req_to_blocks.get(request_id, ()))
 
     def free(self, request: Request) -> None:
         """Release a request's blocks (tail first, so its least shareable blocks are evicted first)."""
@@ -133,9 +146,10 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
 
-    def check_integrity(self) -> None:
+    def check_integrity(self, block_ids: range | None = None) -> None:
+        """Ref counts equal the number of requests holding each block (``block_ids``: only those blocks)."""
         owners: dict[int, int] = {}
         for blocks in self.req_to_blocks.values():
             for b in blocks:
                 owners[b.block_id] = owners.get(b.block_id, 0) + 1
-        self.pool.check_integrity(owners)
+        self.pool.check_integrity(owners, block_ids)

@@ -63,6 +63,7 @@ class SchedulerStats:
     num_preemptions: int = 0  # cumulative
     num_prompt_tokens: int = 0  # cumulative prompt tokens scheduled (first time only)
     num_generation_tokens: int = 0  # cumulative tokens generated
+    num_integrity_failures: int = 0  # cumulative failed idle-time integrity checks (0 unless there is a bug)
 
 
 @dataclass

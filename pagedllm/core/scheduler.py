@@ -206,8 +206,8 @@ class Scheduler:
         new_data, cached_data = [], []
         for req_id, num_new in scheduled.items():
             request = self.requests[req_id]
-            block_ids = self.kv.get_block_ids(req_id)
             if req_id in new_ids:
+                block_ids = self.kv.get_block_ids(req_id)
                 new_data.append(
                     NewRequestData(
                         req_id=req_id,
@@ -222,8 +222,9 @@ class Scheduler:
                 )
             else:
                 known = self._runner_num_blocks.get(req_id, 0)
-                cached_data.append(CachedRequestData(req_id, block_ids[known:], request.num_computed_tokens))
-            self._runner_num_blocks[req_id] = len(block_ids)
+                new_block_ids = self.kv.get_block_ids(req_id, known)
+                cached_data.append(CachedRequestData(req_id, new_block_ids, request.num_computed_tokens))
+            self._runner_num_blocks[req_id] = self.kv.num_blocks_of(req_id)
             request.num_computed_tokens += num_new
         for req_id in self.finished_req_ids:
             if req_id not in scheduled:
@@ -333,9 +334,12 @@ class Scheduler:
             num_generation_tokens=self.num_generation_tokens,
         )
 
-    def check_integrity(self) -> None:
-        """Assert block-pool invariants and that only live requests own blocks (callable any time)."""
-        self.kv.check_integrity()
+    def check_integrity(self, block_ids: range | None = None) -> None:
+        """Assert block-pool invariants and that only live requests own blocks (callable any time).
+
+        ``block_ids`` limits the per-block part of the check to those blocks (see ``BlockPool.check_integrity``).
+        """
+        self.kv.check_integrity(block_ids)
         live = {r.request_id for r in self.running}
         assert set(self.kv.req_to_blocks) <= live, "a request that is not running owns blocks"
         assert len(self.running) + len(self.waiting) == len(self.requests), "request tables out of sync"

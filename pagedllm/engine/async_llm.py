@@ -329,6 +329,16 @@ class AsyncLLM:
         self._check_alive()
         await self.engine_core.call_utility_async("check_integrity")
 
+    async def debug_state(self) -> dict:
+        """The core's request tables, block counts and idle-check results (``EngineCore.debug_state``), plus
+        the requests this front-end still tracks (``num_frontend_requests``)."""
+        self._ensure_started()
+        self._check_alive()
+        state = dict(await self.engine_core.call_utility_async("debug_state"))
+        state["num_frontend_requests"] = self.num_unfinished_requests
+        state["num_output_processor_requests"] = self.output_processor.get_num_unfinished_requests()
+        return state
+
     async def reset_prefix_cache(self) -> bool:
         """Drop every cached block that no request uses (for benchmarks); False if the core could not."""
         self._ensure_started()

@@ -19,7 +19,8 @@ vocabulary size, or ``("failed", type_name, message)``; the client's constructor
 core's error (``ValueError`` stays a ``ValueError``) in the API process.
 
 The core loop: drain every pending input message, then ``step()`` while there is work, and send each step's
-``EngineCoreOutputs`` with fresh ``SchedulerStats``. An ``add_request`` that raises ``ValueError`` does not stop
+``EngineCoreOutputs`` with fresh ``SchedulerStats``. When the work runs out it calls the core's ``on_idle()`` (the
+integrity check, once per transition to idle) after the last outputs are sent, so it delays nobody. An ``add_request`` that raises ``ValueError`` does not stop
 the loop: the request is reported back in the ``errors`` map of the next outputs message. When the core has
 nothing to do it blocks on its input (waking once a second); it exits by itself when the API process is gone.
 
@@ -66,6 +67,7 @@ _UTILITIES = (
     "reset_prefix_cache",
     "is_idle",
     "get_kv_cache_info",
+    "debug_state",
     "ping",
 )
 
@@ -107,6 +109,8 @@ class _CoreLoop:
         self.parent_pid = parent_pid
         self.poller = zmq.Poller()
         self.poller.register(in_sock, zmq.POLLIN)
+        # Called after the last message of a busy stretch is sent: the core's idle-time integrity check.
+        self.on_idle = getattr(core, "on_idle", None)
 
     def run(self) -> None:
         core = self.core
@@ -131,6 +135,10 @@ class _CoreLoop:
                     outputs.stats = core.get_stats()
                 outputs.timestamp = time.monotonic()
                 self.out_sock.send(_dumps(("outputs", outputs, errors)), copy=False)
+            if not core.has_unfinished_requests() and self.on_idle is not None and not self.on_idle():
+                # The check failed (the core logged why); make the new failure count visible at once.
+                stats_only = EngineCoreOutputs(stats=core.get_stats(), timestamp=time.monotonic())
+                self.out_sock.send(_dumps(("outputs", stats_only, {})))
 
     def _drain_input(self, errors: dict[str, str]) -> tuple[bool, bool]:
         """Handle every message waiting on the input socket. Returns (requests changed, shut down)."""

@@ -17,6 +17,10 @@ from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
+# The idle-time integrity check walks every block up to this pool size (under ~10 ms in CPython); a larger pool
+# gets this many blocks per idle transition, in a window that rotates through the pool, plus the O(1) counters.
+IDLE_CHECK_MAX_BLOCKS = 32768
+
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
@@ -39,6 +43,11 @@ class EngineCore:
         )
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
         self.vocab_size = config.model_config.vocab_size
+        self.check_integrity_on_idle = config.check_integrity_on_idle
+        self._idle_check_due = False  # work arrived since the last idle check
+        self._idle_check_start = 0  # first block of the next window (pools over IDLE_CHECK_MAX_BLOCKS)
+        self.num_integrity_failures = 0
+        self.last_integrity_error: str | None = None
         self.kv_cache_info = {
             "num_blocks": num_blocks,
             "block_size": block_size,
@@ -73,26 +82,83 @@ class EngineCore:
                 f"prompt_token_ids must be in [0, {self.vocab_size}): token ids out of vocabulary"
             )
         self.scheduler.add_request(Request.from_engine_core_request(request))
+        self._idle_check_due = True
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def step(self) -> EngineCoreOutputs:
         if not self.scheduler.has_unfinished_requests():
-            return EngineCoreOutputs(stats=self.scheduler.make_stats(), timestamp=time.monotonic())
+            return EngineCoreOutputs(stats=self.get_stats(), timestamp=time.monotonic())
         sched = self.scheduler.schedule()
         result = self.runner.execute_model(sched)
-        return self.scheduler.update_from_output(sched, result)
+        outputs = self.scheduler.update_from_output(sched, result)
+        if outputs.stats is not None:
+            outputs.stats.num_integrity_failures = self.num_integrity_failures
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
     def get_stats(self) -> SchedulerStats:
-        return self.scheduler.make_stats()
+        stats = self.scheduler.make_stats()
+        stats.num_integrity_failures = self.num_integrity_failures
+        return stats
 
     def check_integrity(self) -> None:
-        """Raise AssertionError on leaked blocks or inconsistent ref counts (cheap enough to call when idle)."""
+        """Raise AssertionError on leaked blocks or inconsistent ref counts (all blocks; callable any time)."""
         self.scheduler.check_integrity()
+
+    def on_idle(self) -> bool:
+        """The idle-time integrity check: the loop driving this core calls it when there is no work left.
+
+        It runs once per transition to idle (repeated calls, and calls while requests are unfinished, return at
+        once), and only with ``check_integrity_on_idle``. Pools up to ``IDLE_CHECK_MAX_BLOCKS`` blocks are
+        checked whole; larger ones a rotating window at a time. A failure does not stop the engine: it is logged
+        as an error, counted in ``SchedulerStats.num_integrity_failures`` and kept in ``last_integrity_error``.
+        Returns False when the check ran and failed.
+        """
+        if not self._idle_check_due or self.scheduler.has_unfinished_requests():
+            return True
+        self._idle_check_due = False
+        if not self.check_integrity_on_idle:
+            return True
+        num_blocks = self.kv_cache_manager.pool.num_blocks
+        block_ids = None
+        if num_blocks > IDLE_CHECK_MAX_BLOCKS:
+            start = self._idle_check_start
+            block_ids = range(start, min(start + IDLE_CHECK_MAX_BLOCKS, num_blocks))
+            self._idle_check_start = 0 if block_ids.stop == num_blocks else block_ids.stop
+        try:
+            self.scheduler.check_integrity(block_ids)
+        except Exception as e:  # noqa: BLE001 - AssertionError, or worse: either way report it and go on
+            self.num_integrity_failures += 1
+            self.last_integrity_error = f"{type(e).__name__}: {e}"
+            logger.error(
+                "KV CACHE INTEGRITY CHECK FAILED when the engine went idle (failure %d): %s. This is a bug in "
+                "pagedllm: blocks may be leaked or shared by mistake, so outputs may be wrong; please report it.",
+                self.num_integrity_failures,
+                self.last_integrity_error,
+                exc_info=True,
+            )
+            return False
+        return True
+
+    def debug_state(self) -> dict:
+        """Request-table sizes, block counts and integrity-check results (the server's /debug/integrity)."""
+        sched = self.scheduler
+        kv = self.kv_cache_manager
+        return {
+            "num_requests": len(sched.requests),
+            "num_running": len(sched.running),
+            "num_waiting": len(sched.waiting),
+            "num_requests_holding_blocks": len(kv.req_to_blocks),
+            "num_blocks": kv.pool.num_blocks,
+            "num_free_blocks": kv.num_free_blocks,
+            "num_preemptions": sched.num_preemptions,
+            "num_integrity_failures": self.num_integrity_failures,
+            "last_integrity_error": self.last_integrity_error,
+        }
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()

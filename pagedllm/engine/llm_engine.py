@@ -78,12 +78,14 @@ class LLMEngine:
         processed = self.output_processor.process_outputs(outputs.outputs)
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
+        self.engine_core.on_idle()  # the integrity check, once, when this step left no work
         return processed.request_outputs
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         self.engine_core.abort_requests(self.output_processor.abort_requests(list(request_ids)))
+        self.engine_core.on_idle()
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests() or self.engine_core.has_unfinished_requests()

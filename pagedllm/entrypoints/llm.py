@@ -10,7 +10,7 @@ from typing import Any
 from pagedllm.config import make_engine_config
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 ChatMessages = list[dict[str, Any]]
 
@@ -44,6 +44,7 @@ class LLM:
         enforce_eager: bool = False,
         attention_backend: str | None = None,
         scheduling_policy: str = "fcfs",
+        check_integrity_on_idle: bool = True,
         **kwargs: Any,
     ) -> None:
         if kwargs:
@@ -72,6 +73,7 @@ class LLM:
             enforce_eager=enforce_eager,
             attention_backend=attention_backend,
             scheduling_policy=scheduling_policy,
+            check_integrity_on_idle=check_integrity_on_idle,
         )
         self.llm_engine = LLMEngine(config)
         self._counter = itertools.count()
@@ -116,6 +118,9 @@ class LLM:
             )
             for i, (p, sp) in enumerate(zip(prompts, params_list))
         ]
+        for pr in processed:
+            # Only final results are read here: skip building per-step outputs (a large share of CPU time).
+            pr.params.output_kind = RequestOutputKind.FINAL_ONLY
         added = []
         try:
             for pr in processed:

@@ -117,7 +117,8 @@ def build_sampling_metadata(
         raise ValueError("build_sampling_metadata: all per-row lists must have one entry per row")
 
     def per_row(values: list, dtype: torch.dtype) -> torch.Tensor:  # [num_reqs]
-        return torch.tensor(values, dtype=dtype, device=device)
+        # Built on the host, copied without blocking: a plain torch.tensor(..., device=cuda) would wait for the GPU.
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
     greedy = [p.sampling_type_greedy for p in params]
     all_greedy = all(greedy)

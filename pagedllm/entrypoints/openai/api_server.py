@@ -1,8 +1,8 @@
 """`pagedllm serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn) in front of an ``AsyncLLM``.
 
 Endpoints: /v1/models, /v1/completions, /v1/chat/completions, /tokenize, /detokenize, /health, /version,
-/metrics. Everything but /health, /version and /metrics needs the API key when one is set (compared in constant
-time). Request bodies are bounded (``--max-request-body-bytes``) before any parsing.
+/metrics, and /debug/integrity with ``--enable-debug-endpoints``. Everything but /health, /version and /metrics
+needs the API key when one is set (compared in constant time). Request bodies are bounded (``--max-request-body-bytes``) before any parsing.
 
 Life cycle: the port is bound first (a busy port fails fast), then the engine core process starts (model load,
 KV cache sizing), then uvicorn serves. SIGTERM: stop accepting, let in-flight requests finish for up to
@@ -172,8 +172,13 @@ def build_app(
     chat_template: str | None = None,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     metrics: Any = None,
+    enable_debug_endpoints: bool = False,
 ) -> FastAPI:
-    """The FastAPI app for ``engine`` (an ``AsyncLLM``); ``metrics`` is a ``PrometheusStatLogger`` or None."""
+    """The FastAPI app for ``engine`` (an ``AsyncLLM``); ``metrics`` is a ``PrometheusStatLogger`` or None.
+
+    ``enable_debug_endpoints`` adds ``GET /debug/integrity`` (behind the API key like /v1): the engine's full
+    integrity check and its request-table sizes, for soak tests and operators chasing a leak.
+    """
     app = FastAPI(title="pagedllm", version=__version__)
     completion = OpenAIServingCompletion(
         engine, served_model_names, max_logprobs=max_logprobs, chat_template=chat_template
@@ -280,6 +285,19 @@ def build_app(
             completion.check_token_ids(req.tokens, "tokens")
         return JSONResponse({"prompt": engine.tokenizer.decode(req.tokens)})
 
+    if enable_debug_endpoints:
+
+        @app.get("/debug/integrity")
+        async def debug_integrity() -> JSONResponse:
+            """200 with ``ok`` true/false and the engine's tables; 503 if the engine is dead."""
+            error = None
+            try:
+                await asyncio.wait_for(engine.check_integrity(), 30.0)
+            except AssertionError as e:
+                error = f"AssertionError: {e}"
+            state = await asyncio.wait_for(engine.debug_state(), 30.0)
+            return JSONResponse({"ok": error is None, "error": error, **state})
+
     _install_openapi_schemas(
         app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest]
     )
@@ -336,6 +354,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--max-logprobs", type=int, default=20, help="largest logprobs / top_logprobs accepted"
     )
     group.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES)
+    group.add_argument(
+        "--enable-debug-endpoints",
+        action="store_true",
+        help="serve GET /debug/integrity (the engine's integrity check and request tables; for tests)",
+    )
     group.add_argument(
         "--shutdown-timeout",
         type=float,
@@ -446,6 +469,7 @@ async def _serve(
             chat_template=chat_template,
             max_request_body_bytes=args.max_request_body_bytes,
             metrics=metrics,
+            enable_debug_endpoints=args.enable_debug_endpoints,
         )
         uv_config = uvicorn.Config(
             app,
