@@ -104,9 +104,7 @@ class PrometheusStatLogger:
         self._advance(self.prefix_cache_queries, "prefix_cache_queries", stats.prefix_cache_queries)
         self._advance(self.prefix_cache_hits, "prefix_cache_hits", stats.prefix_cache_hits)
         self._advance(self.num_preemptions, "num_preemptions", stats.num_preemptions)
-        self._advance(
-            self.integrity_check_failures, "num_integrity_failures", stats.num_integrity_failures
-        )
+        self._advance(self.integrity_check_failures, "num_integrity_failures", stats.num_integrity_failures)
 
     def record_iteration_stats(self, stats: Any) -> None:
         if stats.num_prompt_tokens:

@@ -43,6 +43,7 @@ HELDOUT_FRACTION = 0.02
 # Directory names never used for training: tests, third-party packages, and pydoc_data (one big
 # string of HTML-derived documentation rather than code).
 EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "__pycache__", "pydoc_data"})
+TEST_DIRS = frozenset({"test", "tests", "idle_test"})  # kept with --include-tests: three times more code
 SAMPLE_PROMPTS = ("def fibonacci(n):", "import os\n", "class Stack:")
 MAX_FP32_WEIGHT_BYTES = 20 * 1000 * 1000  # above this, weights are saved in bfloat16 (see --save-dtype)
 
@@ -131,7 +132,9 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def list_corpus(root: Path, max_bytes: int | None = None) -> list[Path]:
+def list_corpus(
+    root: Path, max_bytes: int | None = None, excluded: frozenset[str] = EXCLUDED_DIRS
+) -> list[Path]:
     """The stdlib's ``.py`` files in sorted relative-path order, minus EXCLUDED_DIRS.
 
     With ``max_bytes`` the list is cut (in the same order) before the total size passes it, keeping at
@@ -140,7 +143,7 @@ def list_corpus(root: Path, max_bytes: int | None = None) -> list[Path]:
     files = []
     for path in root.rglob("*.py"):
         rel = path.relative_to(root)
-        if EXCLUDED_DIRS.intersection(rel.parts[:-1]) or not path.is_file():
+        if excluded.intersection(rel.parts[:-1]) or not path.is_file():
             continue
         files.append(rel)
     files.sort(key=lambda p: p.as_posix())
@@ -348,6 +351,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "or steps, whichever is further along, so it still ends decayed",
     )
     p.add_argument("--max-corpus-mb", type=float, help="use only the first N MB of the sorted corpus")
+    p.add_argument("--include-tests", action="store_true", help="also train on the stdlib's test suites")
     p.add_argument("--log-every", type=int, help="steps between log lines (default: the config's)")
     p.add_argument(
         "--eval-every", type=int, help="steps between held-out evaluations (default: the config's)"
@@ -373,10 +377,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def prepare_data(max_corpus_mb: float | None, vocab_size: int):
+def prepare_data(max_corpus_mb: float | None, vocab_size: int, include_tests: bool = False):
     """Corpus -> held-out split -> tokenizer -> token streams. Returns (tokenizer, train, held-out, stats)."""
     root = stdlib_root()
-    files = list_corpus(root, None if max_corpus_mb is None else int(max_corpus_mb * 1e6))
+    excluded = EXCLUDED_DIRS - TEST_DIRS if include_tests else EXCLUDED_DIRS
+    files = list_corpus(root, None if max_corpus_mb is None else int(max_corpus_mb * 1e6), excluded)
     train_files, heldout_files = split_heldout(files)
     train_texts = [read_text(f) for f in train_files]
     heldout_texts = [read_text(f) for f in heldout_files]
@@ -387,7 +392,7 @@ def prepare_data(max_corpus_mb: float | None, vocab_size: int):
         "source": "Python standard library (.py files), PSF License Version 2",
         "python_version": platform.python_version(),
         "stdlib_root": str(root),
-        "excluded_dirs": sorted(EXCLUDED_DIRS),
+        "excluded_dirs": sorted(excluded),
         "num_files": len(files),
         "num_bytes": sum(f.stat().st_size for f in files),
         "num_train_files": len(train_files),
@@ -565,7 +570,9 @@ def main(argv: list[str] | None = None) -> dict:
     def say(msg: str) -> None:
         print(f"[{time.perf_counter() - t_start:7.1f}s] {msg}", flush=True)
 
-    raw_tok, train_data, heldout_data, corpus = prepare_data(args.max_corpus_mb, spec.vocab_size)
+    raw_tok, train_data, heldout_data, corpus = prepare_data(
+        args.max_corpus_mb, spec.vocab_size, args.include_tests
+    )
     say(
         f"corpus: {corpus['num_files']} files, {corpus['num_bytes'] / 1e6:.2f} MB from {corpus['stdlib_root']}; "
         f"{train_data.numel():,} train / {heldout_data.numel():,} held-out tokens, vocab {corpus['vocab_size']}"

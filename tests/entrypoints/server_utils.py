@@ -102,6 +102,16 @@ class RemoteServer:
                 out[name] = float(value)
         return out
 
+    def wait_idle(self, timeout_s: float = 30.0) -> dict[str, float]:
+        """/metrics once no request is running or waiting (AssertionError after ``timeout_s``)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            m = self.metrics()
+            if metric(m, "num_requests_running") == 0 and metric(m, "num_requests_waiting") == 0:
+                return m
+            assert time.monotonic() < deadline, f"not idle after {timeout_s} s: {m}"
+            time.sleep(0.1)
+
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)

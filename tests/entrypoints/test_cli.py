@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -42,6 +43,17 @@ def test_serve_flags(capsys):
         "--device", "--disable-log-requests", "--uvicorn-log-level", "--max-logprobs", "--max-request-body-bytes",
     ):  # fmt: skip
         assert flag in out, flag
+
+
+def test_serve_defaults_expose_nothing():
+    from pagedllm.entrypoints.openai.api_server import DEFAULT_MAX_REQUEST_BODY_BYTES, add_cli_args
+
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args(["some-model"])
+    assert args.host == "127.0.0.1" and args.port == 8000
+    assert not args.enable_debug_endpoints
+    assert args.max_request_body_bytes == DEFAULT_MAX_REQUEST_BODY_BYTES
 
 
 def test_a_missing_module_only_breaks_its_own_command(monkeypatch, capsys):

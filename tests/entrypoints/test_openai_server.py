@@ -359,16 +359,6 @@ def test_metrics_advance(server, client, model):
         assert f"pagedllm:{name}" in {k.partition("{")[0] for k in after}
 
 
-def wait_idle(server, timeout_s: float = 30.0) -> dict[str, float]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        m = server.metrics()
-        if metric(m, "num_requests_running") == 0 and metric(m, "num_requests_waiting") == 0:
-            return m
-        assert time.monotonic() < deadline, m
-        time.sleep(0.1)
-
-
 def test_disconnect_aborts(server, model):
     before = server.metrics()
     body = {"model": model, "prompt": "x", "max_tokens": 400, "stream": True, "ignore_eos": True}
@@ -377,7 +367,7 @@ def test_disconnect_aborts(server, model):
         lines = r.iter_lines()
         for _ in range(3):
             next(lines)
-    m = wait_idle(server)
+    m = server.wait_idle()
     assert time.monotonic() - start < 20
     assert metric(m, "kv_cache_usage_perc") == 0.0
     assert (
@@ -439,7 +429,7 @@ def test_concurrent_streams_with_cancellations(server, model):
     assert all(
         num_tokens >= 1 and (num_tokens == 12 or finish == "stop") for _, num_tokens, finish in completed
     )
-    m = wait_idle(server)
+    m = server.wait_idle()
     assert metric(m, "kv_cache_usage_perc") == 0.0
 
 

@@ -166,6 +166,8 @@ def test_oversize_body(server):
 def test_unknown_route(server):
     r = httpx.get(server.base_url + "/v1/nothing-here", headers=server.headers)
     assert r.status_code == 404 and "error" in r.json()
+    # Debug endpoints exist only with --enable-debug-endpoints.
+    assert httpx.get(server.base_url + "/debug/integrity", headers=server.headers).status_code == 404
 
 
 # ------------------------------------------------------------------------------------------- fuzzing

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from pagedllm.engine.async_llm import RequestStream
 from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request, from_value_error
@@ -25,6 +25,7 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving_engine import (
     SSE_DONE,
     OpenAIServing,
+    SSEResponse,
     new_request_id,
     sse,
     to_openai_error,
@@ -85,9 +86,8 @@ class OpenAIServingChat(OpenAIServing):
         stream = self.add_request(request_id, {"prompt_token_ids": token_ids, "prompt": prompt_text}, params)
         if streaming:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(
-                self._stream(req, request_id, len(token_ids), stream, num_top, include_usage),
-                media_type="text/event-stream",
+            return SSEResponse(
+                self._stream(req, request_id, len(token_ids), stream, num_top, include_usage), [stream]
             )
         try:
             response = await wait_or_disconnect(

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from pagedllm.engine.async_llm import RequestStream
 from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request
@@ -23,6 +23,7 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving_engine import (
     SSE_DONE,
     OpenAIServing,
+    SSEResponse,
     merge_streams,
     new_request_id,
     sse,
@@ -108,9 +109,8 @@ class OpenAIServingCompletion(OpenAIServing):
             raise
         if streaming:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(
-                self._stream(req, request_id, prompts, streams, include_usage, score_only),
-                media_type="text/event-stream",
+            return SSEResponse(
+                self._stream(req, request_id, prompts, streams, include_usage, score_only), streams
             )
         try:
             response = await wait_or_disconnect(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -12,6 +13,8 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from pagedllm.engine.async_llm import AsyncLLM, RequestStream
 from pagedllm.engine.core_process import EngineDeadError
@@ -25,6 +28,8 @@ from pagedllm.entrypoints.openai.errors import (
 from pagedllm.outputs import Logprob
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.tokenizer import TokenTextCache
+
+logger = logging.getLogger(__name__)
 
 # More stop sequences than this, or longer ones, are refused (OpenAI allows 4; vLLM has no limit).
 MAX_STOP_SEQUENCES = 16
@@ -61,6 +66,33 @@ def sse(obj: Any) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """A ``text/event-stream`` response that closes its request streams however it ends (aborting any still
+    running).
+
+    Why not leave it to the body generator's ``finally``: a disconnect can surface while the generator is
+    suspended at a ``yield``, not inside it. Starlette cancels the task sending the body, which may be blocked
+    in ``send`` (a slow reader has let the socket buffer fill); servers speaking ASGI 2.4 make ``send`` itself
+    raise. Either way nobody resumes the generator, so its ``finally`` (which aborts the requests) would run
+    only when the garbage collector gets to it, and until then the engine generates for nobody.
+    """
+
+    def __init__(self, content: AsyncIterator[str], streams: list[RequestStream]) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self._streams = streams
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for stream in self._streams:
+                stream.close()
+            try:
+                await self.body_iterator.aclose()  # type: ignore[union-attr]
+            except Exception:  # noqa: BLE001 - the requests are closed already; just tidying up
+                logger.exception("closing a response stream failed")
 
 
 def clamp_logprob(value: float) -> float:
