@@ -27,13 +27,13 @@ class RemoteServer:
     """`python -m pagedllm.entrypoints.cli serve MODEL ...` with its output in ``log_path``."""
 
     def __init__(
-        self, model: str, log_path: Path, extra_args: list[str] = (), api_key: str | None = API_KEY
+        self, model: str | None, log_path: Path, extra_args: list[str] = (), api_key: str | None = API_KEY
     ) -> None:
         self.port = free_port()
         self.api_key = api_key
         self.log_path = log_path
         cmd = [
-            sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", model,
+            sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", *([model] if model else []),
             "--device", "cpu", "--dtype", "float32", "--block-size", "16",
             "--kv-cache-memory-bytes", str(8 << 20), "--port", str(self.port),
             "--uvicorn-log-level", "warning", "--disable-log-requests",
