@@ -52,10 +52,16 @@ def _paged_attention(
     group = num_heads // num_kv_heads
     acc_dtype = torch.promote_types(query.dtype, torch.float32)  # float32, or float64 when given float64
     out = torch.zeros_like(query)  # [T, num_heads, head_dim]
+    decodes = [r for r, s in enumerate(seq_lens) if query_start_loc[r + 1] - query_start_loc[r] == 1]
+    if len(decodes) > 1:
+        _decode_batched(
+            query, key_cache, value_cache, block_table, seq_lens, query_start_loc, decodes, scale, out
+        )
+    decode_set = set(decodes) if len(decodes) > 1 else set()
     for r, seq_len in enumerate(seq_lens):
         q_start, q_end = query_start_loc[r], query_start_loc[r + 1]
         query_len = q_end - q_start
-        if query_len == 0:
+        if query_len == 0 or r in decode_set:
             continue
         if query_len > seq_len:
             raise ValueError(f"request {r}: query_len {query_len} > seq_len {seq_len}")
@@ -79,6 +85,38 @@ def _paged_attention(
         )  # [num_heads, query_len, head_dim]
         out[q_start:q_end] = o.transpose(0, 1).to(out.dtype)
     return out
+
+
+def _decode_batched(
+    query: torch.Tensor,  # [T, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table: torch.Tensor,  # [num_reqs, max_blocks_per_req]
+    seq_lens: list[int],
+    query_start_loc: list[int],
+    reqs: list[int],  # requests with exactly one query token
+    scale: float,
+    out: torch.Tensor,  # [T, num_heads, head_dim], written at those requests' rows
+) -> None:
+    """All one-token queries in one padded SDPA call (the CPU decode path): keys past a request's length masked."""
+    block_size, num_kv_heads, head_dim = key_cache.shape[1:]
+    num_heads = query.shape[1]
+    acc_dtype = torch.promote_types(query.dtype, torch.float32)
+    lens = torch.tensor([seq_lens[r] for r in reqs])  # [R]
+    max_len = int(lens.max())
+    num_blocks = (max_len + block_size - 1) // block_size
+    rows = torch.tensor(reqs, device=block_table.device)
+    tokens = torch.tensor([query_start_loc[r] for r in reqs], device=query.device)  # [R]
+    blocks = block_table[rows, :num_blocks].long()  # [R, num_blocks]
+    k = key_cache[blocks].flatten(1, 2)[:, :max_len].to(acc_dtype)  # [R, L, num_kv_heads, head_dim]
+    v = value_cache[blocks].flatten(1, 2)[:, :max_len].to(acc_dtype)  # [R, L, num_kv_heads, head_dim]
+    group = num_heads // num_kv_heads
+    k = k.repeat_interleave(group, dim=2).transpose(1, 2)  # [R, num_heads, L, head_dim]
+    v = v.repeat_interleave(group, dim=2).transpose(1, 2)  # [R, num_heads, L, head_dim]
+    q = query[tokens].to(acc_dtype).unsqueeze(2)  # [R, num_heads, 1, head_dim]
+    mask = torch.arange(max_len, device=query.device)[None, :] < lens.to(query.device)[:, None]  # [R, L]
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale)  # [R, H, 1, D]
+    out[tokens] = o.squeeze(2).to(out.dtype)
 
 
 def paged_attention_ref(
