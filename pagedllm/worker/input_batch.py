@@ -33,6 +33,7 @@ class InputBatch:
         self.output_token_ids: list[list[int]] = [[] for _ in range(max_num_reqs)]
         self.eos_token_ids: list[int | None] = [None] * max_num_reqs
         self.generators: list[torch.Generator | None] = [None] * max_num_reqs
+        self.num_prompt_logprob_rows = 0  # rows whose request wants prompt logprobs (0: skip that work)
 
     def __len__(self) -> int:
         return len(self.req_id_to_row)
@@ -50,6 +51,7 @@ class InputBatch:
         self.num_blocks_np[row] = nb
         params = data.sampling_params
         self.params[row] = params
+        self.num_prompt_logprob_rows += params.prompt_logprobs is not None
         self.num_prompt_tokens[row] = data.num_prompt_tokens
         self.output_token_ids[row] = list(data.output_token_ids)
         self.eos_token_ids[row] = data.eos_token_id
@@ -71,6 +73,7 @@ class InputBatch:
         row = self.req_id_to_row.pop(req_id, None)
         if row is None:
             return
+        self.num_prompt_logprob_rows -= self.params[row].prompt_logprobs is not None
         self.params[row] = None
         self.generators[row] = None
         self.output_token_ids[row] = []

@@ -270,6 +270,8 @@ class ModelRunner:
     ) -> None:
         """Logprobs of prompt tokens 1.. covered by this chunk: logits at position p score token p+1."""
         batch = self.input_batch
+        if batch.num_prompt_logprob_rows == 0:
+            return
         for i, row in enumerate(rows.tolist()):
             params = batch.params[row]
             if params.prompt_logprobs is None:

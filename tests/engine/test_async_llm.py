@@ -96,12 +96,15 @@ async def test_leaving_the_iteration_aborts(engine):
             break
     await assert_clean(engine)
 
+    started = asyncio.Event()
+
     async def consume() -> None:
         async for _ in engine.generate("y", params, "cancelled-task"):
-            pass
+            started.set()
+            await asyncio.sleep(0.05)  # a slow reader: 400 outputs take far longer than this test waits
 
     task = asyncio.create_task(consume())
-    await asyncio.sleep(0.5)
+    await asyncio.wait_for(started.wait(), timeout=60)
     assert not task.done()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
