@@ -133,11 +133,7 @@ class OpenAIServingChat(OpenAIServing):
             id=request_id,
             model=self.model_name,
             choices=choices,
-            usage=UsageInfo(
-                prompt_tokens=num_prompt_tokens,
-                completion_tokens=num_completion_tokens,
-                total_tokens=num_prompt_tokens + num_completion_tokens,
-            ),
+            usage=UsageInfo.of(num_prompt_tokens, num_completion_tokens),
         )
 
     async def _stream(
@@ -177,11 +173,7 @@ class OpenAIServingChat(OpenAIServing):
                         )
                     )
             if include_usage:
-                usage = UsageInfo(
-                    prompt_tokens=num_prompt_tokens,
-                    completion_tokens=sum(num_tokens),
-                    total_tokens=num_prompt_tokens + sum(num_tokens),
-                )
+                usage = UsageInfo.of(num_prompt_tokens, sum(num_tokens))
                 yield sse(usage_chunk(request_id, created, model, "chat.completion.chunk", usage))
         except Exception as e:  # noqa: BLE001 - the status line is sent already: report in the stream
             err: OpenAIError = to_openai_error(e, self.field_map)

@@ -195,11 +195,7 @@ class OpenAIServingCompletion(OpenAIServing):
             id=request_id,
             model=self.model_name,
             choices=choices,
-            usage=UsageInfo(
-                prompt_tokens=num_prompt_tokens,
-                completion_tokens=num_completion_tokens,
-                total_tokens=num_prompt_tokens + num_completion_tokens,
-            ),
+            usage=UsageInfo.of(num_prompt_tokens, num_completion_tokens),
         )
 
     # ------------------------------------------------------------------ streaming
@@ -254,11 +250,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     )
             if include_usage:
                 num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
-                usage = UsageInfo(
-                    prompt_tokens=num_prompt_tokens,
-                    completion_tokens=sum(num_tokens),
-                    total_tokens=num_prompt_tokens + sum(num_tokens),
-                )
+                usage = UsageInfo.of(num_prompt_tokens, sum(num_tokens))
                 yield sse(usage_chunk(request_id, created, self.model_name, "text_completion", usage))
         except Exception as e:  # noqa: BLE001 - the status line is sent already: report in the stream
             err: OpenAIError = to_openai_error(e, self.field_map)
