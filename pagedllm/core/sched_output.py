@@ -106,6 +106,9 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]  # req_id -> tokens this step; iteration order = batch order
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]  # finished/aborted/preempted since the last step: the runner drops them
+    preempted_req_ids: set[str] = field(
+        default_factory=set
+    )  # the subset that will come back (keep their RNG)
 
 
 @dataclass

@@ -88,6 +88,7 @@ class Scheduler:
         self.waiting = WaitingQueue(config.policy)
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # to tell the runner at the next step
+        self.preempted_req_ids: set[str] = set()  # the subset of those that will be resumed
         self.num_preemptions = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
@@ -117,6 +118,7 @@ class Scheduler:
     def _free(self, request: Request) -> None:
         self.kv.free(request)
         self.finished_req_ids.add(request.request_id)
+        self.preempted_req_ids.discard(request.request_id)
         del self.requests[request.request_id]
 
     def has_unfinished_requests(self) -> bool:
@@ -141,6 +143,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.add(victim, front=True)
         self.finished_req_ids.add(victim.request_id)  # the runner drops it; it comes back as a new request
+        self.preempted_req_ids.add(victim.request_id)
         return victim
 
     def schedule(self) -> SchedulerOutput:
@@ -235,8 +238,10 @@ class Scheduler:
             num_scheduled_tokens=scheduled,
             total_num_scheduled_tokens=sum(scheduled.values()),
             finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=self.preempted_req_ids,
         )
         self.finished_req_ids = set()
+        self.preempted_req_ids = set()
         return out
 
     # ------------------------------------------------------------------ after the forward

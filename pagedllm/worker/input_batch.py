@@ -34,6 +34,9 @@ class InputBatch:
         self.eos_token_ids: list[int | None] = [None] * max_num_reqs
         self.generators: list[torch.Generator | None] = [None] * max_num_reqs
         self.num_prompt_logprob_rows = 0  # rows whose request wants prompt logprobs (0: skip that work)
+        # Generators of preempted requests, kept so that a resumed seeded request continues its random stream
+        # (its output is then the same as if it had never been preempted).
+        self.preempted_generators: dict[str, torch.Generator | None] = {}
 
     def __len__(self) -> int:
         return len(self.req_id_to_row)
@@ -56,7 +59,9 @@ class InputBatch:
         self.output_token_ids[row] = list(data.output_token_ids)
         self.eos_token_ids[row] = data.eos_token_id
         gen = None
-        if params.seed is not None and not params.sampling_type_greedy:
+        if data.req_id in self.preempted_generators:
+            gen = self.preempted_generators.pop(data.req_id)
+        elif params.seed is not None and not params.sampling_type_greedy:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(params.seed)
         self.generators[row] = gen
@@ -69,10 +74,14 @@ class InputBatch:
             self.block_table_np[row, start : start + len(data.new_block_ids)] = data.new_block_ids
             self.num_blocks_np[row] = start + len(data.new_block_ids)
 
-    def remove(self, req_id: str) -> None:
+    def remove(self, req_id: str, keep_generator: bool = False) -> None:
         row = self.req_id_to_row.pop(req_id, None)
+        if not keep_generator:
+            self.preempted_generators.pop(req_id, None)  # finished or aborted while preempted
         if row is None:
             return
+        if keep_generator:
+            self.preempted_generators[req_id] = self.generators[row]
         self.num_prompt_logprob_rows -= self.params[row].prompt_logprobs is not None
         self.params[row] = None
         self.generators[row] = None

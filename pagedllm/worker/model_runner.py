@@ -169,7 +169,7 @@ class ModelRunner:
     def _update_batch(self, sched: SchedulerOutput) -> None:
         batch = self.input_batch
         for req_id in sched.finished_req_ids:
-            batch.remove(req_id)
+            batch.remove(req_id, keep_generator=req_id in sched.preempted_req_ids)
         for data in sched.scheduled_new_reqs:
             batch.add(data)
         for data in sched.scheduled_cached_reqs:

@@ -258,3 +258,20 @@ def test_chat_applies_template(tiny_llama):
     with pytest.raises(ValueError, match="messages"):
         llm.chat([{"role": "wizard", "content": "x"}], params, use_tqdm=False)
     assert_no_leaks(llm)
+
+
+def test_seeded_sampling_unchanged_by_preemption(tiny_llama):
+    prompts = make_prompts(400)
+    seeded = [
+        SamplingParams(temperature=1.0, seed=100 + i, max_tokens=12, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    roomy = make_llm(tiny_llama, max_model_len=48)
+    want = [o.outputs[0].token_ids for o in roomy.generate(batch, seeded, use_tqdm=False)]
+    tight = make_llm(tiny_llama, num_gpu_blocks_override=12, max_model_len=48)
+    got = [o.outputs[0].token_ids for o in tight.generate(batch, seeded, use_tqdm=False)]
+    assert tight.llm_engine.get_stats().num_preemptions > 0
+    assert got == want
+    assert_no_leaks(tight)
+    assert not tight.llm_engine.engine_core.runner.input_batch.preempted_generators
