@@ -147,6 +147,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # "fcfs" | "priority"
+    async_scheduling: bool = False  # plan step N+1 while step N runs (see core/scheduler.py)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -216,6 +217,7 @@ def make_engine_config(
     attention_backend: str | None = None,
     scheduling_policy: str = "fcfs",
     check_integrity_on_idle: bool = True,
+    async_scheduling: bool | None = None,
 ) -> EngineConfig:
     """Build every config from vLLM-named keyword arguments (what ``LLM(...)`` and ``pagedllm serve`` take)."""
     device_config = DeviceConfig(device)
@@ -248,6 +250,11 @@ def make_engine_config(
         max_num_batched_tokens=max_num_batched_tokens,
         enable_chunked_prefill=enable_chunked_prefill,
         policy=scheduling_policy,
+        # None: on where it measures faster (CUDA, where the GPU would otherwise wait for Python); off on CPU,
+        # where the host computes the step itself and there is nothing to overlap.
+        async_scheduling=device_config.device.type == "cuda"
+        if async_scheduling is None
+        else async_scheduling,
     )
     return EngineConfig(
         model_config=model_config,

@@ -59,6 +59,9 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        # Async scheduling: tokens sampled by steps still in flight, whose ids the host does not know yet. Each
+        # stands in for one token after ``all_token_ids``; the scheduler counts them as known tokens.
+        self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 until then
         self.queue_time: float | None = None  # arrival -> first scheduling (monotonic seconds), once known
         self.queue_time_sent = False
@@ -82,6 +85,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        return len(self.all_token_ids) + self.num_output_placeholders
 
     @property
     def num_output_tokens(self) -> int:

@@ -109,6 +109,7 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(
         default_factory=set
     )  # the subset that will come back (keep their RNG)
+    num_computed_tokens: dict[str, int] = field(default_factory=dict)  # req_id -> computed before this step
 
 
 @dataclass

@@ -5,6 +5,13 @@ each asking for ``num_tokens - num_computed_tokens`` tokens (1 for a decode, a c
 waiting requests are admitted (FCFS, or by ``priority`` then arrival) while budget, sequence slots and KV blocks
 last. When a running request cannot get blocks, the lowest-priority / latest-admitted running request is
 preempted: its blocks are freed and it goes back to the front of the waiting queue to be recomputed.
+
+Async scheduling (``config.async_scheduling``): the engine schedules step N+1 before it has read step N's sampled
+tokens. Each request that will sample in a scheduled step gets an output placeholder (``num_output_placeholders``)
+that counts as a known token, so step N+1 schedules its decode; the runner feeds it the sampled id on the device.
+``update_from_output`` turns placeholders into tokens one step later. A request whose placeholders already reach
+``max_tokens`` or ``max_model_len`` is not scheduled again (it is certain to finish), and one that finishes at step
+N has whatever step N+1 computed for it dropped: it emits nothing after its last token.
 """
 
 from __future__ import annotations
@@ -93,6 +100,7 @@ class Scheduler:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self._runner_num_blocks: dict[str, int] = {}  # block ids the runner already holds, per request
+        self.async_scheduling = config.async_scheduling
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -161,7 +169,13 @@ class Scheduler:
             if request.request_id in visited:
                 continue
             visited.add(request.request_id)
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_total = request.num_tokens_with_placeholders
+            if request.num_output_placeholders and (
+                request.num_output_tokens + request.num_output_placeholders >= request.max_tokens
+                or num_total >= max_len
+            ):
+                continue  # its in-flight token is its last: nothing more to compute
+            num_new = min(num_total - request.num_computed_tokens, budget)
             num_new = min(num_new, max_len - request.num_computed_tokens)
             if num_new <= 0:
                 continue
@@ -183,6 +197,8 @@ class Scheduler:
         new_reqs: list[Request] = []
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
+            if request.num_output_placeholders:
+                break  # preempted with a token still in flight: resumable once that token is known
             hit_blocks, num_hit = [], 0
             if request.num_computed_tokens == 0:
                 hit_blocks, num_hit = self.kv.get_computed_blocks(request)
@@ -207,6 +223,7 @@ class Scheduler:
         # 3. Package: new (or resumed) requests in full, the others as diffs.
         new_ids = {r.request_id for r in new_reqs}
         new_data, cached_data = [], []
+        num_computed_before: dict[str, int] = {}
         for req_id, num_new in scheduled.items():
             request = self.requests[req_id]
             if req_id in new_ids:
@@ -228,7 +245,10 @@ class Scheduler:
                 new_block_ids = self.kv.get_block_ids(req_id, known)
                 cached_data.append(CachedRequestData(req_id, new_block_ids, request.num_computed_tokens))
             self._runner_num_blocks[req_id] = self.kv.num_blocks_of(req_id)
+            num_computed_before[req_id] = request.num_computed_tokens
             request.num_computed_tokens += num_new
+            if self.async_scheduling and request.num_computed_tokens == request.num_tokens_with_placeholders:
+                request.num_output_placeholders += 1  # this step samples a token the host learns later
         for req_id in self.finished_req_ids:
             if req_id not in scheduled:
                 self._runner_num_blocks.pop(req_id, None)
@@ -239,6 +259,7 @@ class Scheduler:
             total_num_scheduled_tokens=sum(scheduled.values()),
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=self.preempted_req_ids,
+            num_computed_tokens=num_computed_before,
         )
         self.finished_req_ids = set()
         self.preempted_req_ids = set()
@@ -251,13 +272,20 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         for req_id in sched.num_scheduled_tokens:
             request = self.requests.get(req_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # aborted meanwhile
-            self.kv.cache_blocks(request)
+            if request is None:
+                continue  # finished or aborted meanwhile: what this step computed for it is dropped
             new_token_ids = result.sampled_token_ids.get(req_id, [])
+            is_running = request.status == RequestStatus.RUNNING
+            if is_running:
+                self.kv.cache_blocks(request)
+            elif not new_token_ids:
+                continue
+            # else: preempted after this (async) step was scheduled; the token it sampled is still valid.
+            if self.async_scheduling:
+                request.num_output_placeholders -= len(new_token_ids)
             prompt_lp = result.prompt_logprobs.get(req_id)
             if prompt_lp is not None:
-                first_pos = request.num_computed_tokens - sched.num_scheduled_tokens[req_id] + 1
+                first_pos = sched.num_computed_tokens[req_id] + 1
                 prompt_lp = self._new_prompt_logprob_rows(request, prompt_lp, first_pos)
             for token_id in new_token_ids:
                 request.append_output_token(token_id)
@@ -281,7 +309,10 @@ class Scheduler:
                 )
             )
             if request.is_finished():
-                self.running.remove(request)
+                if is_running:
+                    self.running.remove(request)
+                else:
+                    self.waiting.remove(request)
                 self._free(request)
         return EngineCoreOutputs(outputs=outputs, stats=self.make_stats(), timestamp=time.monotonic())
 

@@ -35,6 +35,12 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--attention-backend", default=None, choices=[None, "torch", "triton"])
     parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="plan the next step while the GPU runs this one (default: on with CUDA, off on CPU)",
+    )
 
 
 def resolve_model_arg(args: argparse.Namespace) -> str:
@@ -67,6 +73,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         enforce_eager=args.enforce_eager,
         attention_backend=args.attention_backend,
         scheduling_policy=args.scheduling_policy,
+        async_scheduling=args.async_scheduling,
         served_model_name=getattr(args, "served_model_name", None),
     )
 

@@ -11,9 +11,9 @@ import time
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedllm.core.request import Request, RequestStatus
-from pagedllm.core.sched_output import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from pagedllm.core.sched_output import EngineCoreOutputs, EngineCoreRequest, SchedulerOutput, SchedulerStats
 from pagedllm.core.scheduler import Scheduler
-from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.model_runner import ModelRunner, StepInFlight
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,8 @@ class EngineCore:
             num_blocks, block_size, config.cache_config.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
+        self.async_scheduling = config.scheduler_config.async_scheduling
+        self._in_flight: tuple[SchedulerOutput, StepInFlight] | None = None  # launched, not yet collected
         self.vocab_size = config.model_config.vocab_size
         self.check_integrity_on_idle = config.check_integrity_on_idle
         self._idle_check_due = False  # work arrived since the last idle check
@@ -86,8 +88,20 @@ class EngineCore:
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        self._drain_if_idle()
+
+    def _drain_if_idle(self) -> None:
+        """With no request left, the step in flight computes only for finished requests: nothing of it reaches
+        anyone. Wait for it now, so the engine is idle (and the runner's batch consistent) at once."""
+        if self._in_flight is not None and not self.scheduler.has_unfinished_requests():
+            self.runner.collect(self._in_flight[1])
+            self._in_flight = None
 
     def step(self) -> EngineCoreOutputs:
+        """Run one step. With async scheduling, launch step N+1, then return step N's outputs: the scheduler
+        plans and the host bookkeeps while the device computes."""
+        if self.async_scheduling:
+            return self._step_async()
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs(stats=self.get_stats(), timestamp=time.monotonic())
         sched = self.scheduler.schedule()
@@ -97,8 +111,22 @@ class EngineCore:
             outputs.stats.num_integrity_failures = self.num_integrity_failures
         return outputs
 
+    def _step_async(self) -> EngineCoreOutputs:
+        launched = None
+        if self.scheduler.has_unfinished_requests():
+            sched = self.scheduler.schedule()
+            launched = (sched, self.runner.execute_model_async(sched))
+        prev, self._in_flight = self._in_flight, launched
+        if prev is None:
+            return EngineCoreOutputs(stats=self.get_stats(), timestamp=time.monotonic())
+        outputs = self.scheduler.update_from_output(prev[0], self.runner.collect(prev[1]))
+        self._drain_if_idle()
+        if outputs.stats is not None:
+            outputs.stats.num_integrity_failures = self.num_integrity_failures
+        return outputs
+
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self._in_flight is not None or self.scheduler.has_unfinished_requests()
 
     def get_stats(self) -> SchedulerStats:
         stats = self.scheduler.make_stats()
@@ -118,7 +146,7 @@ class EngineCore:
         as an error, counted in ``SchedulerStats.num_integrity_failures`` and kept in ``last_integrity_error``.
         Returns False when the check ran and failed.
         """
-        if not self._idle_check_due or self.scheduler.has_unfinished_requests():
+        if not self._idle_check_due or self.has_unfinished_requests():
             return True
         self._idle_check_due = False
         if not self.check_integrity_on_idle:

@@ -45,6 +45,7 @@ class LLM:
         attention_backend: str | None = None,
         scheduling_policy: str = "fcfs",
         check_integrity_on_idle: bool = True,
+        async_scheduling: bool | None = None,
         **kwargs: Any,
     ) -> None:
         if kwargs:
@@ -74,6 +75,7 @@ class LLM:
             attention_backend=attention_backend,
             scheduling_policy=scheduling_policy,
             check_integrity_on_idle=check_integrity_on_idle,
+            async_scheduling=async_scheduling,
         )
         self.llm_engine = LLMEngine(config)
         self._counter = itertools.count()

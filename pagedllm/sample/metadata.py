@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from pagedllm.sampling_params import SamplingParams
@@ -207,4 +208,46 @@ def build_sampling_metadata(
 
     wanted = [p.logprobs for p in params if p.logprobs is not None]
     meta.max_num_logprobs = max(wanted) if wanted else None
+    return meta
+
+
+def build_plain_sampling_metadata(
+    greedy: np.ndarray,  # [num_reqs] bool
+    temperature: np.ndarray,  # [num_reqs] float32, 1.0 on greedy rows
+    top_k: np.ndarray,  # [num_reqs] int64, 0 = disabled
+    top_p: np.ndarray,  # [num_reqs] float32, 1.0 = disabled
+    min_p: np.ndarray,  # [num_reqs] float32, 0.0 = disabled
+    num_logprobs: np.ndarray,  # [num_reqs] int64, -1 = no logprobs
+    generators: dict[int, torch.Generator],  # row -> generator, seeded random rows only
+    vocab_size: int,
+    device: torch.device,
+) -> SamplingMetadata:
+    """The same metadata as ``build_sampling_metadata`` for rows with no masks, biases or penalties, from
+    per-row arrays gathered out of the persistent batch: array operations only, no loop over rows."""
+
+    def to_dev(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)
+
+    all_greedy = bool(greedy.all())
+    all_random = not bool(greedy.any())
+    meta = SamplingMetadata(all_greedy=all_greedy, all_random=all_random)
+    if not all_greedy and not all_random:
+        meta.greedy_mask = to_dev(greedy)
+    if not all_greedy:
+        if (temperature != 1.0).any():
+            meta.temperature = to_dev(temperature)
+        meta.generators = generators
+        enabled = (top_k > 0) & (top_k < vocab_size)
+        if enabled.any():
+            meta.no_top_k = False
+            meta.top_k = to_dev(np.where(enabled, top_k, vocab_size))
+            meta.max_top_k = int(top_k[enabled].max())
+        if (top_p < 1.0).any():
+            meta.no_top_p = False
+            meta.top_p = to_dev(top_p)
+        if (min_p > 0.0).any():
+            meta.no_min_p = False
+            meta.min_p = to_dev(min_p)
+    if (num_logprobs >= 0).any():
+        meta.max_num_logprobs = int(num_logprobs.max())
     return meta

@@ -39,6 +39,15 @@ class LogprobsTensors:
     logprobs: torch.Tensor  # [num_rows, k + 1] float32
     ranks: torch.Tensor  # [num_rows] int64, 1-based rank of column 0 (1 + count of strictly likelier tokens)
 
+    def to_host_async(self) -> LogprobsTensors:
+        """Pinned host copies, filled by non-blocking copies (read them after the stream passes this point)."""
+
+        def host(t: torch.Tensor) -> torch.Tensor:
+            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return out.copy_(t, non_blocking=True)
+
+        return LogprobsTensors(host(self.token_ids), host(self.logprobs), host(self.ranks))
+
     def tolists(self) -> LogprobsLists:
         """Copy to plain lists (one host sync) so the result can cross a process boundary."""
         return LogprobsLists(

@@ -61,11 +61,14 @@ class CudaGraphRunner:
         self.slot_mapping.fill_(-1)
         self.seq_lens.fill_(1)
         self.query_start_loc = torch.arange(bs + 1, dtype=torch.int32, device=device)  # [bs + 1]
-        # Pinned host twins.
-        self.host_i64 = torch.zeros(3 * bs, dtype=torch.long, pin_memory=True)
-        self.host_i32 = torch.zeros(bs + bs * max_blocks_per_req, dtype=torch.int32, pin_memory=True)
-        self.host_i64_np = self.host_i64.numpy()
-        self.host_i32_np = self.host_i32.numpy()
+        # Pinned host twins, two of each used in turn: with async scheduling the host fills step N+1's inputs
+        # while step N's copy may still wait in the stream. Step N-1's copy, the last user of the other twin, is
+        # done by then (the engine has read step N-1's sampled ids, which the stream produced after that copy).
+        self.host_i64 = [torch.zeros(3 * bs, dtype=torch.long, pin_memory=True) for _ in range(2)]
+        self.host_i32 = [
+            torch.zeros(bs + bs * max_blocks_per_req, dtype=torch.int32, pin_memory=True) for _ in range(2)
+        ]
+        self._turn = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
@@ -121,12 +124,17 @@ class CudaGraphRunner:
         slot_mapping: np.ndarray,  # [n] int64
         seq_lens: np.ndarray,  # [n] int32
         block_table: np.ndarray,  # [n, nb] int32
+        input_patch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:  # [n, hidden_size], a view of the graph's output (valid until the next replay)
+        """``input_patch`` = (dst, src, values): ``input_ids[dst] = values[src]`` on the device before the
+        replay (tokens sampled by the previous, still running step)."""
         n = input_ids.shape[0]
         bs = self.padded_size(n)
         nb = block_table.shape[1]
         m, mb = self.max_bs, self.max_blocks
-        h64, h32 = self.host_i64_np, self.host_i32_np
+        host_i64, host_i32 = self.host_i64[self._turn], self.host_i32[self._turn]
+        self._turn ^= 1
+        h64, h32 = host_i64.numpy(), host_i32.numpy()
         h64[:n] = input_ids
         h64[m : m + n] = positions
         h64[2 * m : 2 * m + n] = slot_mapping
@@ -138,8 +146,11 @@ class CudaGraphRunner:
         table = h32[m:].reshape(m, mb)
         table[:n, :nb] = block_table
         table[n:bs, :nb] = 0
-        self.dev_i64.copy_(self.host_i64, non_blocking=True)
+        self.dev_i64.copy_(host_i64, non_blocking=True)
         end = m + bs * mb
-        self.dev_i32[:end].copy_(self.host_i32[:end], non_blocking=True)
+        self.dev_i32[:end].copy_(host_i32[:end], non_blocking=True)
+        if input_patch is not None:
+            dst, src, values = input_patch
+            self.input_ids[dst] = values[src]
         self.graphs[bs].replay()
         return self.outputs[bs][:n]

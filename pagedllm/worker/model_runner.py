@@ -6,7 +6,9 @@ A thin orchestrator; feature logic lives in InputBatch, the attention backend, t
 from __future__ import annotations
 
 import logging
+import operator
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -14,8 +16,8 @@ import torch
 from pagedllm.attention.base import AttentionMetadata, get_attention_backend
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
-from pagedllm.sample.metadata import build_sampling_metadata
-from pagedllm.sample.sampler import Sampler, compute_logprobs_topk
+from pagedllm.sample.metadata import build_plain_sampling_metadata, build_sampling_metadata
+from pagedllm.sample.sampler import LogprobsTensors, Sampler, compute_logprobs_topk
 from pagedllm.worker.cuda_graphs import CudaGraphRunner
 from pagedllm.worker.input_batch import InputBatch
 
@@ -24,6 +26,25 @@ logger = logging.getLogger(__name__)
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+@dataclass
+class StepInFlight:
+    """A launched step. Until ``ModelRunner.collect`` reads it, its sampled ids exist only on the device."""
+
+    step_id: int
+    req_ids: list[str] = field(default_factory=list)  # scheduled requests, batch order
+    prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)  # computed at launch
+    sample_req_ids: list[str] = field(default_factory=list)  # requests that sampled, in sampling order
+    sample_rows: np.ndarray | None = None  # [num_sampled] batch rows
+    sample_pos: np.ndarray | None = None  # [num_sampled] position of each sampled token in its row
+    sample_gen: np.ndarray | None = None  # [num_sampled] row owner generation when sampled
+    sample_num_logprobs: np.ndarray | None = None  # [num_sampled] -1 = no logprobs wanted
+    sampled: torch.Tensor | None = None  # [num_sampled] int64 on the device
+    sampled_host: torch.Tensor | None = None  # [num_sampled] int64 host copy (pinned, filled asynchronously)
+    logprobs: LogprobsTensors | None = None  # host copies on CUDA
+    event: torch.cuda.Event | None = None  # recorded after the copies to the host
+    output: ModelRunnerOutput | None = None  # set by collect
 
 
 class ModelRunner:
@@ -54,6 +75,8 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         self.graph_runner: CudaGraphRunner | None = None
+        self._last_step: StepInFlight | None = None  # the latest step with sampled tokens
+        self._next_step_id = 0
 
     # ------------------------------------------------------------------ KV cache sizing
 
@@ -175,28 +198,43 @@ class ModelRunner:
         for data in sched.scheduled_cached_reqs:
             batch.update(data)
 
-    @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and wait for its sampled tokens (the synchronous engine loop)."""
+        return self.collect(self.execute_model_async(sched))
+
+    @torch.inference_mode()
+    def execute_model_async(self, sched: SchedulerOutput) -> StepInFlight:
+        """Launch one step; its sampled ids stay on the device (``collect`` reads them later).
+
+        A request whose last token was sampled by the previous step, still unread, is fed that token on the device.
+        Host work is array operations over the persistent batch: no loop over requests unless a request asks for
+        a per-request feature (penalties, logit bias, allowed/bad words, min_tokens, prompt logprobs, logprobs).
+        """
         self._update_batch(sched)
+        step = StepInFlight(step_id=self._next_step_id)
+        self._next_step_id += 1
         if sched.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput(sampled_token_ids={})
+            return step
         batch = self.input_batch
+        prev = self._last_step
+        if prev is not None and prev.output is None and batch.num_history_rows:
+            self.collect(prev)  # penalties, bad words and min_tokens read the output tokens on the host
+        self._last_step = step
         req_ids = list(sched.num_scheduled_tokens)
-        rows = np.fromiter((batch.req_id_to_row[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
-        num_sched = np.fromiter(sched.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
-        computed_by_id = {d.req_id: d.num_computed_tokens for d in sched.scheduled_new_reqs}
-        computed_by_id.update({d.req_id: d.num_computed_tokens for d in sched.scheduled_cached_reqs})
+        n = len(req_ids)
+        rows = np.array(operator.itemgetter(*req_ids)(batch.req_id_to_row), dtype=np.int64).reshape(n)
+        num_sched = np.fromiter(sched.num_scheduled_tokens.values(), dtype=np.int64, count=n)
         # [num_reqs] tokens computed before this step
-        num_computed = np.fromiter((computed_by_id[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        num_computed = np.fromiter(sched.num_computed_tokens.values(), dtype=np.int64, count=n)
 
         # Flattened tokens:  token t belongs to request req_of[t], at position positions[t].
         num_tokens = int(num_sched.sum())
-        cu = np.zeros(len(req_ids) + 1, dtype=np.int64)
+        cu = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(num_sched, out=cu[1:])
-        req_of = np.repeat(np.arange(len(req_ids)), num_sched)  # [num_tokens]
+        req_of = np.repeat(np.arange(n), num_sched)  # [num_tokens]
         positions = np.arange(num_tokens) - cu[req_of] + num_computed[req_of]  # [num_tokens]
         token_rows = rows[req_of]  # [num_tokens]
-        input_ids = batch.token_ids_np[token_rows, positions]  # [num_tokens]
+        input_ids = batch.token_ids_np[token_rows, positions]  # [num_tokens] (placeholders hold 0)
         block_ids = batch.block_table_np[token_rows, positions // self.block_size]  # [num_tokens]
         slot_mapping = block_ids.astype(np.int64) * self.block_size + positions % self.block_size
         seq_lens = (num_computed + num_sched).astype(np.int32)  # [num_reqs]
@@ -204,14 +242,27 @@ class ModelRunner:
         block_table = batch.block_table_np[rows, :max_blocks]  # [num_reqs, max_blocks]
 
         dev = self.device
+        # Placeholders: a request's pending token is the first token it computes this step.
+        pending = batch.pending_idx[rows]  # [num_reqs]
+        has_pending = pending >= 0
+        input_patch = None
+        if has_pending.any():
+            assert prev is not None and prev.sampled is not None
+            input_patch = (
+                torch.from_numpy(cu[:-1][has_pending]).to(dev, non_blocking=True),
+                torch.from_numpy(pending[has_pending]).to(dev, non_blocking=True),
+                prev.sampled,
+            )
         is_pure_decode = bool((num_sched == 1).all())
-        if self.graph_runner is not None and is_pure_decode and len(req_ids) <= self.graph_runner.max_bs:
-            hidden = self.graph_runner.run(input_ids, positions, slot_mapping, seq_lens, block_table)
+        if self.graph_runner is not None and is_pure_decode and n <= self.graph_runner.max_bs:
+            hidden = self.graph_runner.run(
+                input_ids, positions, slot_mapping, seq_lens, block_table, input_patch
+            )
         else:
             qsl_cpu = torch.from_numpy(cu.astype(np.int32))
             seq_lens_cpu = torch.from_numpy(seq_lens)
             meta = AttentionMetadata(
-                num_reqs=len(req_ids),
+                num_reqs=n,
                 num_tokens=num_tokens,
                 max_query_len=int(num_sched.max()),
                 max_seq_len=int(seq_lens.max()),
@@ -223,50 +274,115 @@ class ModelRunner:
                 seq_lens_cpu=seq_lens_cpu,
                 is_pure_decode=is_pure_decode,
             )
+            input_ids_dev = torch.from_numpy(input_ids).to(dev, non_blocking=True)
+            if input_patch is not None:
+                dst, src, values = input_patch
+                input_ids_dev[dst] = values[src]
             hidden = self.model(
-                torch.from_numpy(input_ids).to(dev, non_blocking=True),
+                input_ids_dev,
                 torch.from_numpy(positions).to(dev, non_blocking=True),
                 self.kv_caches,
                 meta,
             )  # [num_tokens, hidden_size]
 
+        step.req_ids = req_ids
+        self._prompt_logprobs(req_ids, rows, num_computed, num_sched, cu, hidden, step.prompt_logprobs)
         # Which requests reach the end of their known tokens (and so produce one).
-        sample_mask = (num_computed + num_sched) == batch.num_tokens_np[rows]  # [num_reqs]
-        sample_idx = np.nonzero(sample_mask)[0]
-        out = ModelRunnerOutput(sampled_token_ids={r: [] for r in req_ids})
-        self._prompt_logprobs(req_ids, rows, num_computed, num_sched, cu, hidden, out)
+        sample_idx = np.nonzero((num_computed + num_sched) == batch.num_tokens_np[rows])[0]  # [num_sampled]
         if len(sample_idx) == 0:
-            return out
+            return step
         last_token = torch.from_numpy(cu[1:][sample_idx] - 1).to(dev, non_blocking=True)
         logits = self.model.compute_logits(hidden[last_token])  # [num_sampled, vocab_size]
-        sample_rows = rows[sample_idx].tolist()
-        meta_s = build_sampling_metadata(
-            params=[batch.params[r] for r in sample_rows],
-            output_token_ids=[batch.output_token_ids[r] for r in sample_rows],
-            prompt_token_ids=[batch.prompt_token_ids(r) for r in sample_rows]
-            if any(batch.params[r].repetition_penalty != 1.0 for r in sample_rows)
-            else [[] for _ in sample_rows],
-            generators=[batch.generators[r] for r in sample_rows],
-            eos_token_ids=[batch.eos_token_ids[r] for r in sample_rows],
+        s_rows = rows[sample_idx]  # [num_sampled]
+        sampled = self.sampler(logits, self._sampling_metadata(s_rows))
+
+        # The sampled tokens become placeholders at the end of their rows until ``collect`` reads them.
+        step.sample_req_ids = np.array(req_ids, dtype=object)[sample_idx].tolist()
+        step.sample_rows = s_rows
+        step.sample_pos = batch.num_tokens_np[s_rows].copy()
+        step.sample_gen = batch.row_gen[s_rows].copy()
+        step.sample_num_logprobs = batch.num_logprobs_np[s_rows].copy()
+        batch.token_ids_np[s_rows, step.sample_pos] = 0
+        batch.num_tokens_np[s_rows] += 1
+        batch.pending_idx[s_rows] = np.arange(len(s_rows))
+        batch.pending_step[s_rows] = step.step_id
+        step.sampled = sampled.sampled_token_ids
+        step.logprobs = sampled.logprobs
+        if dev.type == "cuda":
+            step.sampled_host = torch.empty(len(s_rows), dtype=torch.long, pin_memory=True)
+            step.sampled_host.copy_(step.sampled, non_blocking=True)
+            if step.logprobs is not None:
+                step.logprobs = step.logprobs.to_host_async()
+            step.event = torch.cuda.Event()
+            step.event.record()
+        else:
+            step.sampled_host = step.sampled
+        return step
+
+    def _sampling_metadata(self, s_rows: np.ndarray):
+        batch = self.input_batch
+        gen_idx = np.nonzero(batch.has_generator_np[s_rows])[0]
+        if batch.num_complex_rows == 0:
+            return build_plain_sampling_metadata(
+                greedy=batch.greedy_np[s_rows],
+                temperature=batch.temperature_np[s_rows],
+                top_k=batch.top_k_np[s_rows],
+                top_p=batch.top_p_np[s_rows],
+                min_p=batch.min_p_np[s_rows],
+                num_logprobs=batch.num_logprobs_np[s_rows],
+                generators={int(j): batch.generators[s_rows[j]] for j in gen_idx},
+                vocab_size=self.vocab_size,
+                device=self.device,
+            )
+        rows = s_rows.tolist()
+        params = [batch.params[r] for r in rows]
+        history = batch.num_history_rows > 0  # then every placeholder was resolved before this step
+        return build_sampling_metadata(
+            params=params,
+            output_token_ids=[batch.output_token_ids(r) if history else [] for r in rows],
+            prompt_token_ids=[
+                batch.prompt_token_ids(r) if p.repetition_penalty != 1.0 else [] for r, p in zip(rows, params)
+            ],
+            generators=[batch.generators[r] for r in rows],
+            eos_token_ids=[batch.eos_token_ids[r] for r in rows],
             vocab_size=self.vocab_size,
-            device=dev,
+            device=self.device,
         )
-        sampled = self.sampler(logits, meta_s)
-        token_ids = sampled.sampled_token_ids.tolist()  # the one host sync per step
-        lp = sampled.logprobs.tolists() if sampled.logprobs is not None else None
-        for j, (i, row) in enumerate(zip(sample_idx.tolist(), sample_rows)):
-            req_id = req_ids[i]
-            batch.append_token(row, token_ids[j])
-            out.sampled_token_ids[req_id] = [token_ids[j]]
-            k = batch.params[row].logprobs
-            if lp is not None and k is not None:
-                out.logprobs[req_id] = LogprobsLists(
+
+    def collect(self, step: StepInFlight) -> ModelRunnerOutput:
+        """Wait for ``step``'s sampled ids, write them into the batch, return them per request (idempotent)."""
+        if step.output is not None:
+            return step.output
+        out = ModelRunnerOutput(sampled_token_ids={r: [] for r in step.req_ids})
+        out.prompt_logprobs = step.prompt_logprobs
+        step.output = out
+        if step.sampled_host is None:
+            return out
+        if step.event is not None:
+            step.event.synchronize()
+        token_np = step.sampled_host.numpy()  # [num_sampled]
+        token_ids = token_np.tolist()
+        out.sampled_token_ids.update(zip(step.sample_req_ids, [[t] for t in token_ids]))
+        batch = self.input_batch
+        rows = step.sample_rows
+        live = batch.row_gen[rows] == step.sample_gen  # rows still owned by the same request
+        if live.any():
+            rows, pos = rows[live], step.sample_pos[live]
+            batch.token_ids_np[rows, pos] = token_np[live]
+            rows = rows[batch.pending_step[rows] == step.step_id]
+            batch.pending_idx[rows] = -1
+        if step.logprobs is not None:
+            lp = step.logprobs.tolists()
+            for j in np.nonzero(step.sample_num_logprobs >= 0)[0].tolist():
+                k = int(step.sample_num_logprobs[j])
+                out.logprobs[step.sample_req_ids[j]] = LogprobsLists(
                     [lp.token_ids[j][: k + 1]], [lp.logprobs[j][: k + 1]], [lp.ranks[j]]
                 )
+        step.sampled = None  # the device copy is no longer needed
         return out
 
     def _prompt_logprobs(
-        self, req_ids, rows, num_computed, num_sched, cu, hidden, out: ModelRunnerOutput
+        self, req_ids, rows, num_computed, num_sched, cu, hidden, out: dict[str, LogprobsLists]
     ) -> None:
         """Logprobs of prompt tokens 1.. covered by this chunk: logits at position p score token p+1."""
         batch = self.input_batch
@@ -287,4 +403,4 @@ class ModelRunner:
             lp = compute_logprobs_topk(
                 self.model.compute_logits(hidden[idx]), targets, params.prompt_logprobs
             )
-            out.prompt_logprobs[req_ids[i]] = lp.tolists()
+            out[req_ids[i]] = lp.tolists()

@@ -1,4 +1,8 @@
-"""The offline engine against transformers (float32, CPU): greedy tokens, logprobs, seeds, leaks, bad input."""
+"""The offline engine against transformers (float32, CPU): greedy tokens, logprobs, seeds, leaks, bad input.
+
+Every test runs twice: with the synchronous step loop and with async scheduling (step N+1 planned before step N's
+tokens are read), which must give the same tokens.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,14 @@ from pagedllm import LLM, SamplingParams
 from tests.utils import TINY_ARCHS, hf_greedy, hf_logprobs
 
 MAX_NEW = 10
+_ASYNC = {"on": False}
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["sync", "async"])
+def async_scheduling(request):
+    _ASYNC["on"] = request.param
+    yield request.param
+    _ASYNC["on"] = False
 
 
 def make_prompts(vocab_size: int, seed: int = 0, lengths=(3, 17, 9, 30, 1)) -> list[list[int]]:
@@ -23,6 +35,7 @@ def make_llm(path: str, **kw) -> LLM:
     kw.setdefault("dtype", "float32")
     kw.setdefault("device", "cpu")
     kw.setdefault("block_size", 4)
+    kw.setdefault("async_scheduling", _ASYNC["on"])
     return LLM(path, **kw)
 
 
