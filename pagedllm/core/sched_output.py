@@ -102,7 +102,7 @@ class CachedRequestData:
 @dataclass
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData]
-    scheduled_cached_reqs: list[CachedRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]  # known requests that got new blocks this step
     num_scheduled_tokens: dict[str, int]  # req_id -> tokens this step; iteration order = batch order
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]  # finished/aborted/preempted since the last step: the runner drops them

@@ -242,8 +242,9 @@ class Scheduler:
                 )
             else:
                 known = self._runner_num_blocks.get(req_id, 0)
-                new_block_ids = self.kv.get_block_ids(req_id, known)
-                cached_data.append(CachedRequestData(req_id, new_block_ids, request.num_computed_tokens))
+                if self.kv.num_blocks_of(req_id) > known:  # most decode steps add no block: nothing to send
+                    new_block_ids = self.kv.get_block_ids(req_id, known)
+                    cached_data.append(CachedRequestData(req_id, new_block_ids, request.num_computed_tokens))
             self._runner_num_blocks[req_id] = self.kv.num_blocks_of(req_id)
             num_computed_before[req_id] = request.num_computed_tokens
             request.num_computed_tokens += num_new

@@ -125,3 +125,41 @@ def test_gpu_memory_utilization_sizes_cache_from_profile(tiny_model_dirs):
     assert 0.2 * total < info["kv_cache_bytes"] < 0.5 * total
     out = llm.generate("hello", SamplingParams(max_tokens=4), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 4
+
+
+def test_async_scheduling_matches_sync_with_graphs_and_preemption(tiny_model_dirs):
+    """On the GPU the async loop feeds sampled ids to the next step on the device (graphs and eager steps), with
+    preemption, seeds, penalties and logprobs in one batch: the same tokens as the synchronous loop (fp32)."""
+    path = tiny_model_dirs["llama"]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=7, max_tokens=24, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, repetition_penalty=1.2),
+        SamplingParams(temperature=0.8, seed=1, top_p=0.9, top_k=40, max_tokens=20),
+        SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, min_tokens=5),
+    ]
+    results = []
+    for mode in (False, True):
+        llm = LLM(
+            path,
+            dtype="float32",
+            device="cuda",
+            num_gpu_blocks_override=24,
+            block_size=16,
+            max_model_len=256,
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+            async_scheduling=mode,
+        )
+        core = llm.llm_engine.engine_core
+        assert core.async_scheduling == mode and core.runner.graph_runner is not None
+        prompts = _prompts(core.vocab_size)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        results.append([(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs])
+        assert llm.llm_engine.get_stats().num_preemptions > 0
+        core.check_integrity()
+        assert core.kv_cache_manager.num_free_blocks == core.kv_cache_manager.pool.num_blocks
+        del llm, core
+        torch.cuda.empty_cache()
+    assert results[0] == results[1]
