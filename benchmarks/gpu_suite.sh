@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmark table of issue 4 (pagedllm and transformers, same run).
-#   bash benchmarks/gpu_suite.sh [tests] [qwen-latency] [qwen-throughput] [qwen-nano] [llama-latency] [llama-throughput] [hf]
+#   bash benchmarks/gpu_suite.sh [tests] [qwen-latency] [qwen-throughput] [qwen-nano] [llama-latency] [llama-throughput] [hf] [startup] [serve]
 # With no arguments it runs everything. Logs go to $OUT (or .out/) as bench_*.log and *.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,4 +42,18 @@ fi
 if want llama-throughput; then
   run llama_tp $py -m pagedllm.benchmarks.throughput --model $L $common --num-prompts 1000 --input-len 1024 --output-len 128 --output-json "$out/llama_tp.json"
   want hf && run llama_tp_hf $py -m pagedllm.benchmarks.throughput --backend hf --model $L $common --num-prompts 128 --input-len 1024 --output-len 128 --hf-max-batch-size 128
+fi
+if want startup; then
+  # Needs the server's wheels on the GPU image (../shared/device/gpu-wheels.sh; carry .whl).
+  run llama_startup $py -m pagedllm.entrypoints.cli bench startup --model $L --serve-args "$common" --output-json "$out/llama_startup.json"
+  grep -E "^(Start-up|Engine phases)" "$out/bench_llama_startup.log"
+fi
+if want serve; then
+  port=8765
+  $py -m pagedllm.entrypoints.cli serve $Q $common --port $port --disable-log-requests > "$out/qwen_server.log" 2>&1 &
+  spid=$!
+  for _ in $(seq 600); do curl -sf localhost:$port/health >/dev/null && break; kill -0 $spid 2>/dev/null || break; sleep 0.5; done
+  run qwen_serve $py -m pagedllm.entrypoints.cli bench serve --base-url http://127.0.0.1:$port --model $Q --tokenizer $Q --num-prompts 500 --random-input-len 512 --random-output-len 128 --ignore-eos --request-rate inf --metric-percentiles 50,99 --save-result "$out/qwen_serve.json"
+  grep -A40 "Serving Benchmark Result" "$out/bench_qwen_serve.log" | head -40
+  kill $spid; wait $spid
 fi

@@ -25,8 +25,11 @@ IDLE_CHECK_MAX_BLOCKS = 32768
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        t0 = time.perf_counter()
         self.runner = ModelRunner(config)
+        t_load = time.perf_counter()
         num_blocks = self.runner.determine_num_blocks()
+        t_profile = time.perf_counter()
         block_size = config.cache_config.block_size
         max_model_len = config.model_config.max_model_len
         blocks_per_seq = cdiv(max_model_len, block_size)
@@ -37,7 +40,18 @@ class EngineCore:
                 "cache more memory (gpu_memory_utilization, kv_cache_memory_bytes, num_gpu_blocks_override)"
             )
         self.runner.init_kv_cache(num_blocks)
+        t_kv = time.perf_counter()
         self.runner.maybe_capture_cuda_graphs()
+        t_graphs = time.perf_counter()
+        # One line `pagedllm bench startup` reads back.
+        logger.info(
+            "start-up phases: load %.2f s, profile %.2f s, kv cache %.2f s, cuda graphs %.2f s, engine %.2f s",
+            t_load - t0,
+            t_profile - t_load,
+            t_kv - t_profile,
+            t_graphs - t_kv,
+            t_graphs - t0,
+        )
         self.kv_cache_manager = KVCacheManager(
             num_blocks, block_size, config.cache_config.enable_prefix_caching
         )

@@ -22,6 +22,10 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("pagedllm.benchmarks.serve", "load-test a running OpenAI-compatible server"),
     "throughput": ("pagedllm.benchmarks.throughput", "offline throughput"),
     "latency": ("pagedllm.benchmarks.latency", "latency of one batch"),
+    "startup": (
+        "pagedllm.benchmarks.startup",
+        "seconds from `pagedllm serve` to the first completed request",
+    ),
 }
 
 
@@ -67,7 +71,7 @@ def build_parser(
         if name == chosen:
             _load(module_name, name).add_cli_args(p)
     bench = sub.add_parser("bench", help="benchmarks", description="benchmarks")
-    bench_sub = bench.add_subparsers(dest="bench_command", metavar="{serve,throughput,latency}")
+    bench_sub = bench.add_subparsers(dest="bench_command", metavar="{serve,throughput,latency,startup}")
     bench_chosen = words[1] if chosen == "bench" and len(words) > 1 else None
     for name, (module_name, help_text) in BENCH_COMMANDS.items():
         p = bench_sub.add_parser(name, help=help_text, description=help_text)
