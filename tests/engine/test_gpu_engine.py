@@ -145,9 +145,9 @@ def test_async_scheduling_matches_sync_with_graphs_and_preemption(tiny_model_dir
             path,
             dtype="float32",
             device="cuda",
-            num_gpu_blocks_override=24,
+            num_gpu_blocks_override=14,  # 224 tokens: the six requests (up to 144 tokens each) cannot all fit
             block_size=16,
-            max_model_len=256,
+            max_model_len=192,
             max_num_seqs=8,
             max_num_batched_tokens=64,
             async_scheduling=mode,
