@@ -92,6 +92,10 @@ class CudaGraphRunner:
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
+        # The side stream must not run ahead of the default stream's work: the static buffers' zero fills (and a
+        # large KV cache's) may still be queued there, and reading them unfilled feeds garbage token ids to the
+        # embedding (a device-side assert seen when the cache was tens of GiB).
+        stream.wait_stream(torch.cuda.current_stream(self.device))
         for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
             meta = self._metadata(bs)
             args = (self.input_ids[:bs], self.positions[:bs], self.kv_caches, meta)
