@@ -108,6 +108,12 @@ def _decode_batched(
     rows = torch.tensor(reqs, device=block_table.device)
     tokens = torch.tensor([query_start_loc[r] for r in reqs], device=query.device)  # [R]
     blocks = block_table[rows, :num_blocks].long()  # [R, num_blocks]
+    # Entries past a request's own blocks are not its blocks (padding, possibly invalid ids): read block 0 there
+    # instead (masked out below).
+    own = (
+        torch.arange(num_blocks)[None, :] < ((lens + block_size - 1) // block_size)[:, None]
+    )  # [R, num_blocks]
+    blocks = blocks.masked_fill(~own.to(blocks.device), 0)
     k = key_cache[blocks].flatten(1, 2)[:, :max_len].to(acc_dtype)  # [R, L, num_kv_heads, head_dim]
     v = value_cache[blocks].flatten(1, 2)[:, :max_len].to(acc_dtype)  # [R, L, num_kv_heads, head_dim]
     group = num_heads // num_kv_heads
@@ -115,6 +121,9 @@ def _decode_batched(
     v = v.repeat_interleave(group, dim=2).transpose(1, 2)  # [R, num_heads, L, head_dim]
     q = query[tokens].to(acc_dtype).unsqueeze(2)  # [R, num_heads, 1, head_dim]
     mask = torch.arange(max_len, device=query.device)[None, :] < lens.to(query.device)[:, None]  # [R, L]
+    # Slots past a request's length may hold anything (NaN in a fresh or poisoned cache); 0 * NaN would leak.
+    k = k.masked_fill(~mask[:, None, :, None], 0.0)
+    v = v.masked_fill(~mask[:, None, :, None], 0.0)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale)  # [R, H, 1, D]
     out[tokens] = o.squeeze(2).to(out.dtype)
 

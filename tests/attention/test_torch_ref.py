@@ -197,3 +197,33 @@ def test_float64_inputs_stay_float64() -> None:
     for r, (q, k, v, _) in enumerate(seqs):
         expected = dense_causal_attention(q[len(q) - (qsl[r + 1] - qsl[r]) :], k, v, 0.5)
         torch.testing.assert_close(out[qsl[r] : qsl[r + 1]], expected, atol=1e-12, rtol=1e-12)
+
+
+def test_batched_decodes_ignore_padding_entries_and_poisoned_slots():
+    """Several one-token queries go through one padded call: block-table entries past a request's own blocks
+    (here out-of-range ids) and cache slots past its length (here NaN) must not reach its output."""
+    gen = torch.Generator().manual_seed(3)
+    block_size, num_heads, num_kv_heads = 4, 4, 2
+    seq_lens = [3, 9, 1, 14]
+    num_blocks = 12
+    kv_cache = torch.full((2, num_blocks, block_size, num_kv_heads, HEAD_DIM), float("nan"))
+    block_table = torch.randint(10**6, 10**7, (len(seq_lens), 5), generator=gen, dtype=torch.int32)  # poison
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    dense_kv = []
+    for r, s in enumerate(seq_lens):
+        ids = [free.pop() for _ in range((s + block_size - 1) // block_size)]
+        block_table[r, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        k, v = torch.randn(2, s, num_kv_heads, HEAD_DIM, generator=gen)
+        flat = kv_cache[:, ids].flatten(1, 2)
+        flat[0, :s], flat[1, :s] = k, v
+        kv_cache[:, ids] = flat.view(2, len(ids), block_size, num_kv_heads, HEAD_DIM)
+        dense_kv.append((k, v))
+    query = torch.randn(len(seq_lens), num_heads, HEAD_DIM, generator=gen)
+    out = paged_attention_ref(
+        query, kv_cache[0], kv_cache[1], block_table, torch.tensor(seq_lens),
+        torch.arange(len(seq_lens) + 1), scale=0.5,
+    )  # fmt: skip
+    assert torch.isfinite(out).all()
+    for r, (k, v) in enumerate(dense_kv):
+        want = dense_causal_attention(query[r : r + 1], k, v, 0.5)
+        torch.testing.assert_close(out[r : r + 1].double(), want, atol=1e-5, rtol=1e-5)
