@@ -23,6 +23,7 @@ import urllib.error
 import urllib.request
 
 PHASE_RE = re.compile(r"start-up phases: (.*)$", re.MULTILINE)
+STAMP_RE = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})")
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -64,6 +65,17 @@ def parse_phases(log: str) -> dict[str, float]:
     return {name: float(value) for name, value in re.findall(r"([a-z][a-z ]*?) ([0-9.]+) s", m.group(1))}
 
 
+def timeline(log: str, launch_wall: float) -> list[tuple[float, str]]:
+    """(seconds after launch, line) for each time-stamped log line (logging's asctime, local time)."""
+    out = []
+    for line in log.splitlines():
+        m = STAMP_RE.search(line)
+        if m:
+            stamp = time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1e3
+            out.append((round(stamp - launch_wall, 3), line.strip()[:160]))
+    return out
+
+
 def measure(model: str | None, serve_args: list[str], port: int, timeout: float, log_path: str) -> dict:
     cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", *([model] if model else []), "--port",
            str(port), "--disable-log-requests", *serve_args]  # fmt: skip
@@ -72,6 +84,7 @@ def measure(model: str | None, serve_args: list[str], port: int, timeout: float,
     url = f"http://127.0.0.1:{port}/v1/completions"
     with open(log_path, "w") as log:
         start = time.monotonic()
+        launch_wall = time.time()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             while True:
@@ -93,7 +106,12 @@ def measure(model: str | None, serve_args: list[str], port: int, timeout: float,
                 proc.kill()
     with open(log_path, errors="replace") as f:
         text = f.read()
-    return {"startup_s": elapsed, "phases": parse_phases(text), "command": shlex.join(cmd)}
+    return {
+        "startup_s": elapsed,
+        "phases": parse_phases(text),
+        "timeline": timeline(text, launch_wall),
+        "command": shlex.join(cmd),
+    }
 
 
 def main(args: argparse.Namespace) -> int:
@@ -110,6 +128,8 @@ def main(args: argparse.Namespace) -> int:
     phases = ", ".join(f"{k} {v:.2f} s" for k, v in result["phases"].items()) or "not logged"
     print(f"Start-up: {result['startup_s']:.2f} s from launch to the first completed request")
     print(f"Engine phases: {phases}")
+    for t, line in result["timeline"]:
+        print(f"  {t:7.2f} s  {line}")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)

@@ -47,6 +47,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--hf-max-batch-size", type=int, default=128)
     parser.add_argument("--output-json", default=None)
+    parser.add_argument(
+        "--profile-steps",
+        action="store_true",
+        help="after the timed run, a profiled pass: host ms per phase, GPU busy",
+    )
 
 
 def make_requests(args: argparse.Namespace, vocab_size: int) -> list[SampleRequest]:
@@ -84,6 +89,12 @@ def run_pagedllm(args: argparse.Namespace, temperature: float) -> ThroughputResu
     elapsed = time.perf_counter() - start
     n_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
     n_in = sum(len(o.prompt_token_ids) for o in outs)
+    if getattr(args, "profile_steps", False):
+        from pagedllm.benchmarks.step_profile import StepProfiler, format_report
+
+        profiler = StepProfiler(llm.llm_engine)  # a second, untimed pass over the same requests
+        llm.generate(prompts, params, use_tqdm=False)
+        print(format_report(profiler.stop()))
     return _result("pagedllm", len(reqs), elapsed, n_in, n_out)
 
 

@@ -73,11 +73,6 @@ class AsyncLLM:
         self.config = config
         self.model_config = config.model_config
         self.log_requests = log_requests
-        self.tokenizer = get_tokenizer(
-            self.model_config.tokenizer, trust_remote_code=self.model_config.trust_remote_code
-        )
-        self.input_processor = InputProcessor(self.model_config, self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
         self._requests: dict[str, _RequestEntry] = {}  # parent request id -> entry
         self._child_to_parent: dict[str, str] = {}
@@ -86,8 +81,19 @@ class AsyncLLM:
         self._dead_event: asyncio.Event | None = None
         self._closed = False
         self.last_stats: SchedulerStats | None = None
+
+        def load_tokenizer() -> None:  # while the core process loads the model
+            self.tokenizer = get_tokenizer(
+                self.model_config.tokenizer, trust_remote_code=self.model_config.trust_remote_code
+            )
+            self.input_processor = InputProcessor(self.model_config, self.tokenizer)
+            self.output_processor = OutputProcessor(self.tokenizer)
+
         self.engine_core = EngineCoreClient(
-            config, core_cls_path=core_cls_path, startup_timeout_s=startup_timeout_s
+            config,
+            core_cls_path=core_cls_path,
+            startup_timeout_s=startup_timeout_s,
+            while_starting=load_tokenizer,
         )
         self.kv_cache_info: dict = self.engine_core.kv_cache_info
         try:

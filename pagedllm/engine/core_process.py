@@ -46,6 +46,7 @@ import tempfile
 import time
 import traceback
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -196,6 +197,7 @@ def run_engine_core(
     # Ctrl-C in a terminal reaches the whole process group: the API process decides when the core stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s [engine core] %(message)s")
+    logger.info("engine core process started (pid %d)", os.getpid())
     ctx = zmq.Context()
     in_sock = ctx.socket(zmq.PULL)
     in_sock.setsockopt(zmq.RCVHWM, 0)
@@ -258,23 +260,13 @@ class CoreProcess:
     """
 
     def __init__(self, args: tuple) -> None:
-        read_fd, write_fd = os.pipe()
-        code = (
-            "import pickle, sys; sys.path[:] = pickle.load(sys.stdin.buffer); "
-            "from pagedllm.engine.core_process import _child_main; _child_main()"
-        )
-        try:
-            self._popen = subprocess.Popen(
-                [sys.executable, "-c", code], stdin=subprocess.PIPE, pass_fds=(write_fd,), close_fds=True
-            )
-        finally:
-            os.close(write_fd)
+        from pagedllm.engine import core_launch
+
+        self._popen, read_fd = core_launch.take()  # pre-spawned by `pagedllm serve`, or fresh
         self.sentinel = read_fd
         self.pid = self._popen.pid
         assert self._popen.stdin is not None
         try:
-            # Two pickles: sys.path first (plain strings), so the second can import pagedllm's classes.
-            pickle.dump(list(sys.path), self._popen.stdin)
             pickle.dump(args, self._popen.stdin, protocol=pickle.HIGHEST_PROTOCOL)
             self._popen.stdin.close()
         except BrokenPipeError:
@@ -308,8 +300,17 @@ class CoreProcess:
 
 
 def _child_main() -> None:
-    """Entry point of the engine core interpreter: read the arguments from stdin, run the core."""
-    args = pickle.load(sys.stdin.buffer)
+    """Entry point of the engine core interpreter: import the engine, then read the arguments from stdin (they
+    may come seconds later: see core_launch.py), then run the core."""
+    import transformers  # noqa: F401 - unpickling the config needs it: import while the parent is busy
+
+    import pagedllm.engine.engine_core  # noqa: F401
+    import pagedllm.models.registry  # noqa: F401
+
+    try:
+        args = pickle.load(sys.stdin.buffer)
+    except EOFError:
+        return  # a pre-spawned spare the parent never used
     sys.stdin.close()
     run_engine_core(*args)
 
@@ -344,7 +345,10 @@ class EngineCoreClient:
         *,
         core_cls_path: str = DEFAULT_ENGINE_CORE,
         startup_timeout_s: float | None = None,
+        while_starting: Callable[[], None] | None = None,
     ) -> None:
+        """Start the core process and wait until it is ready. ``while_starting`` runs here meanwhile (the
+        front-end's own set-up, e.g. loading the tokenizer, overlaps the model load)."""
         self._state = _ClientState()
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -372,6 +376,9 @@ class EngineCoreClient:
         self.proc: CoreProcess | None = None
         try:
             self.proc = CoreProcess((config, input_addr, output_addr, ready_addr, os.getpid(), core_cls_path))
+            logger.info("engine core process launched")
+            if while_starting is not None:
+                while_starting()
             info = self._wait_ready(ready_sock, startup_timeout_s)
         except BaseException:
             ready_sock.close(linger=0)

@@ -84,6 +84,11 @@ def build_parser(
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    words = _positionals(argv)
+    if words[:1] == ["serve"] and "-h" not in argv and "--help" not in argv:
+        from pagedllm.engine import core_launch
+
+        core_launch.prespawn()  # the core imports torch and the engine while we import the server
     parser, leaves = build_parser(argv)
     args = parser.parse_args(argv)
     if args.command is None:

@@ -100,7 +100,9 @@ class CudaGraphRunner:
             meta = self._metadata(bs)
             args = (self.input_ids[:bs], self.positions[:bs], self.kv_caches, meta)
             with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up: Triton compilation and autotuning happen outside capture
+                # Warm-up: Triton compilation and lazy library set-up happen outside capture. The first (largest)
+                # size runs twice; later sizes once, which compiles any specialization they add.
+                for _ in range(2 if bs == self.max_bs else 1):
                     self.model(*args)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()

@@ -397,6 +397,7 @@ def _raise_system_exit(signum: int, frame: Any) -> None:
 
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    logger.info("pagedllm serve: arguments parsed, modules imported")
     api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
     try:
         model = resolve_model_arg(args)

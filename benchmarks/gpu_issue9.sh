@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Issue 9's device call: every table row (pagedllm and the transformers baselines), the start-up and serve rows,
+# and step profiles of the throughput rows. Run it twice in one device session for the two measurements.
+#   bash benchmarks/gpu_issue9.sh [profile]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-.out}"; mkdir -p "$out"
+py=python3
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
+bash benchmarks/gpu_suite.sh qwen-latency qwen-nano qwen-throughput llama-latency llama-throughput hf startup serve
+if [ "${1:-}" = profile ]; then
+  $py -m pagedllm.benchmarks.shapes "$out/models" >/dev/null
+  common="--load-format dummy --max-model-len 4096 --gpu-memory-utilization 0.9"
+  for spec in "qwen3-0.6b --workload nanovllm --num-prompts 256" "qwen3-0.6b --num-prompts 1000 --input-len 1024 --output-len 128" "llama-3.1-8b --num-prompts 1000 --input-len 1024 --output-len 128"; do
+    set -- $spec; m=$1; shift
+    echo "=== profile $m $*"
+    $py -m pagedllm.benchmarks.throughput --model "$out/models/$m" $common "$@" --profile-steps 2>&1 | grep -E "^(Throughput|Step profile)"
+  done
+fi

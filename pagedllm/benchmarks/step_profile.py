@@ -1,0 +1,86 @@
+"""Where an engine step's time goes: host time per phase and the GPU's busy fraction (``bench throughput
+--profile-steps``).
+
+Wraps one ``EngineCore``'s phases with timers: ``schedule``, ``launch`` (input preparation, sampling metadata and
+the kernel launches of ``execute_model_async``), ``wait`` (blocked in ``collect`` for the device to finish a step:
+large means the GPU is the bottleneck), ``update`` (``update_from_output``) and the rest of each engine step
+(front-end output processing). On CUDA a pair of events brackets each launched step; the GPU is "busy" from the
+start event (which fires once the previous work is done) to the end event, so the busy fraction is the sum of
+those intervals over the wall time (it counts gaps while the host is still launching a step as busy).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+
+class StepProfiler:
+    def __init__(self, llm_engine: Any) -> None:
+        self.llm_engine = llm_engine
+        core = llm_engine.engine_core
+        self.core = core
+        self.host: dict[str, float] = defaultdict(float)
+        self.num_steps = 0
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.cuda = core.runner.device.type == "cuda"
+        self._originals: list[tuple[Any, str, Any]] = []
+        self._wrap(core.scheduler, "schedule", "schedule")
+        self._wrap(core.scheduler, "update_from_output", "update")
+        self._wrap(core.runner, "collect", "wait")
+        self._wrap(core.runner, "execute_model_async", "launch", events=True)
+        self._wrap(llm_engine, "step", "engine_step")
+        self.start = time.perf_counter()
+
+    def _wrap(self, obj: Any, name: str, key: str, events: bool = False) -> None:
+        fn = getattr(obj, name)
+        host = self.host
+
+        def timed(*args, **kwargs):
+            start_ev = end_ev = None
+            if events and self.cuda:
+                start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start_ev.record()
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            host[key] += time.perf_counter() - t0
+            if key == "engine_step":
+                self.num_steps += 1
+            if end_ev is not None:
+                end_ev.record()
+                self.events.append((start_ev, end_ev))
+            return out
+
+        self._originals.append((obj, name, fn))
+        setattr(obj, name, timed)
+
+    def stop(self) -> dict[str, float]:
+        """Restore the wrapped methods; per-step milliseconds and the GPU busy fraction."""
+        wall = time.perf_counter() - self.start
+        for obj, name, _ in self._originals:
+            delattr(obj, name)  # the instance attribute shadowed the class's method
+        n = max(self.num_steps, 1)
+        report = {"steps": self.num_steps, "wall_ms_per_step": 1e3 * wall / n}
+        for key in ("schedule", "launch", "wait", "update"):
+            report[f"{key}_ms_per_step"] = 1e3 * self.host[key] / n
+        accounted = sum(self.host[k] for k in ("schedule", "launch", "wait", "update"))
+        report["other_ms_per_step"] = 1e3 * (self.host["engine_step"] - accounted) / n
+        if self.cuda and self.events:
+            torch.cuda.synchronize()
+            busy_ms = sum(s.elapsed_time(e) for s, e in self.events)
+            report["gpu_busy_fraction"] = busy_ms / (1e3 * wall)
+        return report
+
+
+def format_report(report: dict[str, float]) -> str:
+    parts = [f"{report['steps']} steps, {report['wall_ms_per_step']:.2f} ms/step wall"]
+    parts += [
+        f"{k[:-12]} {report[k]:.2f}" for k in report if k.endswith("_ms_per_step") and k != "wall_ms_per_step"
+    ]
+    line = "Step profile: " + ", ".join(parts) + " (host ms per step)"
+    if "gpu_busy_fraction" in report:
+        line += f"; GPU busy {100 * report['gpu_busy_fraction']:.1f}% of the wall time"
+    return line
