@@ -116,15 +116,15 @@ def _decode_batched(
     blocks = blocks.masked_fill(~own.to(blocks.device), 0)
     k = key_cache[blocks].flatten(1, 2)[:, :max_len].to(acc_dtype)  # [R, L, num_kv_heads, head_dim]
     v = value_cache[blocks].flatten(1, 2)[:, :max_len].to(acc_dtype)  # [R, L, num_kv_heads, head_dim]
-    group = num_heads // num_kv_heads
-    k = k.repeat_interleave(group, dim=2).transpose(1, 2)  # [R, num_heads, L, head_dim]
-    v = v.repeat_interleave(group, dim=2).transpose(1, 2)  # [R, num_heads, L, head_dim]
-    q = query[tokens].to(acc_dtype).unsqueeze(2)  # [R, num_heads, 1, head_dim]
     mask = torch.arange(max_len, device=query.device)[None, :] < lens.to(query.device)[:, None]  # [R, L]
     # Slots past a request's length may hold anything (NaN in a fresh or poisoned cache); 0 * NaN would leak.
-    k = k.masked_fill(~mask[:, None, :, None], 0.0)
-    v = v.masked_fill(~mask[:, None, :, None], 0.0)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale)  # [R, H, 1, D]
+    k = k.masked_fill(~mask[:, :, None, None], 0.0).transpose(1, 2)  # [R, num_kv_heads, L, head_dim]
+    v = v.masked_fill(~mask[:, :, None, None], 0.0).transpose(1, 2)  # [R, num_kv_heads, L, head_dim]
+    q = query[tokens].to(acc_dtype).unsqueeze(2)  # [R, num_heads, 1, head_dim]
+    # GQA without copying keys per query head: query head h reads kv head h // (num_heads // num_kv_heads).
+    o = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=num_heads != num_kv_heads
+    )  # [R, num_heads, 1, head_dim]
     out[tokens] = o.squeeze(2).to(out.dtype)
 
 
