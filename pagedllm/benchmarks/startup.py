@@ -33,6 +33,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--port", type=int, default=None, help="default: a free port")
     parser.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds")
+    parser.add_argument("--num-runs", type=int, default=1, help="launch this many times, one after the other")
     parser.add_argument("--output-json", default=None)
 
 
@@ -115,23 +116,26 @@ def measure(model: str | None, serve_args: list[str], port: int, timeout: float,
 
 
 def main(args: argparse.Namespace) -> int:
-    port = args.port or _free_port()
-    with tempfile.NamedTemporaryFile("w", suffix=".log", delete=False) as f:
-        log_path = f.name
-    try:
-        result = measure(args.model, shlex.split(args.serve_args), port, args.timeout, log_path)
-    except RuntimeError as e:
-        with open(log_path, errors="replace") as f:
-            tail = f.read()[-4000:]
-        print(f"pagedllm bench startup: {e}\n--- server log (tail) ---\n{tail}", file=sys.stderr)
-        return 1
-    phases = ", ".join(f"{k} {v:.2f} s" for k, v in result["phases"].items()) or "not logged"
-    print(f"Start-up: {result['startup_s']:.2f} s from launch to the first completed request")
-    print(f"Engine phases: {phases}")
-    for t, line in result["timeline"]:
-        print(f"  {t:7.2f} s  {line}")
+    results = []
+    for _ in range(max(1, args.num_runs)):
+        port = args.port or _free_port()
+        with tempfile.NamedTemporaryFile("w", suffix=".log", delete=False) as f:
+            log_path = f.name
+        try:
+            result = measure(args.model, shlex.split(args.serve_args), port, args.timeout, log_path)
+        except RuntimeError as e:
+            with open(log_path, errors="replace") as f:
+                tail = f.read()[-4000:]
+            print(f"pagedllm bench startup: {e}\n--- server log (tail) ---\n{tail}", file=sys.stderr)
+            return 1
+        os.unlink(log_path)
+        results.append(result)
+        phases = ", ".join(f"{k} {v:.2f} s" for k, v in result["phases"].items()) or "not logged"
+        print(f"Start-up: {result['startup_s']:.2f} s from launch to the first completed request")
+        print(f"Engine phases: {phases}")
+        for t, line in result["timeline"]:
+            print(f"  {t:7.2f} s  {line}")
     if args.output_json:
         with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=2)
-    os.unlink(log_path)
+            json.dump(results[0] if len(results) == 1 else results, f, indent=2)
     return 0
