@@ -38,6 +38,23 @@ def resolve_model_path(model: str) -> str:
         raise ValueError(f"model {model!r} is neither a local directory nor reachable on the hub: {e}") from e
 
 
+class PlainHFConfig:
+    """An HF config's attributes as plain data (``PretrainedConfig.to_dict()``), readable with ``getattr``.
+
+    This is what crosses to the engine core process: unpickling a transformers config class there would import
+    transformers (seconds at start-up) only to read attributes. Nested configs stay dicts.
+    """
+
+    def __init__(self, attrs: dict[str, Any]) -> None:
+        self.__dict__.update(attrs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def __repr__(self) -> str:
+        return f"PlainHFConfig({self.__dict__.get('model_type', '?')})"
+
+
 @dataclass
 class ModelConfig:
     model: str
@@ -83,6 +100,13 @@ class ModelConfig:
             )
         if self.served_model_name is None:
             self.served_model_name = self.model
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        cfg = state.get("hf_config")
+        if cfg is not None and not isinstance(cfg, PlainHFConfig):
+            state["hf_config"] = PlainHFConfig(cfg.to_dict())
+        return state
 
     def _resolve_dtype(self, dtype: str | torch.dtype) -> torch.dtype:
         if isinstance(dtype, torch.dtype):

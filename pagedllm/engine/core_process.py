@@ -302,9 +302,10 @@ class CoreProcess:
 def _child_main() -> None:
     """Entry point of the engine core interpreter: import the engine, then read the arguments from stdin (they
     may come seconds later: see core_launch.py), then run the core."""
-    import transformers  # noqa: F401 - unpickling the config needs it: import while the parent is busy
-
+    # The engine's own imports, while the parent is still busy (the config arrives without transformers
+    # classes: see PlainHFConfig).
     import pagedllm.engine.engine_core  # noqa: F401
+    import pagedllm.model_loader  # noqa: F401
     import pagedllm.models.registry  # noqa: F401
 
     try:

@@ -251,3 +251,24 @@ def test_hf_greedy_is_varied_and_ignores_eos(tiny_llama: str, tmp_path: Path) ->
     assert hf_greedy(path, [prompt], 16)[0] == out
     logprobs = hf_logprobs(tiny_llama, prompt + out)  # [len, vocab]
     assert logprobs[len(prompt) - 1 : -1].argmax(-1).tolist() == out
+
+
+def test_model_from_pickled_config_is_the_same(model_dir: str) -> None:
+    """The engine core process receives the HF config as plain attributes (no transformers classes): a model
+    built from it has the same parameters and logits as one built from the transformers config."""
+    import pickle
+
+    from pagedllm.config import PlainHFConfig
+
+    model, model_config = load_ours(model_dir)
+    plain_config = pickle.loads(pickle.dumps(model_config))
+    assert isinstance(plain_config.hf_config, PlainHFConfig)
+    assert type(model_config.hf_config).__module__.startswith("transformers")  # the original is untouched
+    plain = get_model(plain_config, torch.device("cpu"), TorchAttentionBackend())
+    assert [(n, p.shape) for n, p in plain.named_parameters()] == [
+        (n, p.shape) for n, p in model.named_parameters()
+    ]
+    prompt = {0: list(range(3, 14))}
+    torch.testing.assert_close(
+        PagedRunner(plain, plain_config).step(prompt)[0], PagedRunner(model, model_config).step(prompt)[0]
+    )
