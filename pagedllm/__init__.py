@@ -1,7 +1,12 @@
 """pagedllm: high-throughput LLM inference and serving with vLLM's interfaces."""
 
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.sampling_params import (
+    GuidedDecodingParams,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 __version__ = "0.1.0"
 
@@ -13,6 +18,8 @@ __all__ = [
     "CompletionOutput",
     "Logprob",
     "RequestOutputKind",
+    "StructuredOutputsParams",
+    "GuidedDecodingParams",
     "__version__",
 ]
 

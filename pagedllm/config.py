@@ -216,6 +216,7 @@ class EngineConfig:
     attention_backend: str | None = None  # None = automatic
     log_stats: bool = True
     check_integrity_on_idle: bool = True  # check the KV block pool each time the engine runs out of work
+    reasoning_parser: str | None = None  # structured outputs then apply after the reasoning ends
 
 
 def make_engine_config(
@@ -242,6 +243,7 @@ def make_engine_config(
     scheduling_policy: str = "fcfs",
     check_integrity_on_idle: bool = True,
     async_scheduling: bool | None = None,
+    reasoning_parser: str | None = None,
 ) -> EngineConfig:
     """Build every config from vLLM-named keyword arguments (what ``LLM(...)`` and ``pagedllm serve`` take)."""
     device_config = DeviceConfig(device)
@@ -288,4 +290,5 @@ def make_engine_config(
         enforce_eager=enforce_eager,
         attention_backend=attention_backend,
         check_integrity_on_idle=check_integrity_on_idle,
+        reasoning_parser=reasoning_parser,
     )

@@ -16,6 +16,63 @@ class RequestOutputKind(enum.Enum):
 
 _EPS = 1e-5
 
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """One output constraint (vLLM's names): a JSON schema, a regex, a choice of strings, an EBNF grammar, or any
+    JSON object. Exactly one must be set. Whether the constraint itself is well formed (a schema xgrammar
+    supports, a regex that parses) is checked by the engine when the request is added."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False  # JSON without free whitespace between tokens (compact output)
+
+    def __post_init__(self) -> None:
+        given = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of json, regex, choice, grammar, json_object; "
+                f"got {given or 'none'}"
+            )
+        kind = given[0]
+        if kind == "json" and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (dict or str), got {self.json!r}")
+        if kind in ("regex", "grammar") and not (isinstance(getattr(self, kind), str) and getattr(self, kind)):
+            raise ValueError(f"structured_outputs.{kind} must be a non-empty string")
+        if kind == "choice" and not (
+            isinstance(self.choice, (list, tuple))
+            and self.choice
+            and all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}")
+        if kind == "json_object" and self.json_object is not True:
+            raise ValueError("structured_outputs.json_object must be true")
+        if kind == "choice":
+            self.choice = list(self.choice)
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: "json", "regex", "choice", "grammar" or "json_object"."""
+        return next(name for name in _CONSTRAINTS if getattr(self, name) not in (None, False))
+
+    def key(self) -> tuple[str, str, bool]:
+        """A hashable identity of the constraint (equal keys compile to the same grammar)."""
+        import json as _json
+
+        value = getattr(self, self.kind)
+        if isinstance(value, (dict, list)):
+            value = _json.dumps(value, sort_keys=True, ensure_ascii=False)
+        return (self.kind, str(value), self.disable_any_whitespace)
+
+
+# vLLM's older name for the same settings (``SamplingParams(guided_decoding=GuidedDecodingParams(...))``).
+GuidedDecodingParams = StructuredOutputsParams
+
 
 @dataclass
 class SamplingParams:
@@ -46,6 +103,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = None  # vLLM's older name; moved to structured_outputs
     # Filled in by the engine: token ids of `bad_words`, one list per word.
     _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
     extra_args: dict[str, Any] | None = None
@@ -66,6 +125,19 @@ class SamplingParams:
                 raise ValueError(f"logit_bias must map token ids to floats, got {self.logit_bias!r}") from e
         if self.top_k == -1:
             self.top_k = 0
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ValueError("set structured_outputs or guided_decoding, not both")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            if not isinstance(self.structured_outputs, dict):
+                raise ValueError(
+                    f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r}"
+                )
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:
+                raise ValueError(f"structured_outputs: {e}") from e
         if self.best_of is None:
             self.best_of = self.n
         self._verify()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 from pagedllm.core.sched_output import EngineCoreRequest
 from pagedllm.sampling_params import SamplingParams
@@ -68,6 +69,8 @@ class Request:
         self.num_preemptions = 0
         self.num_prompt_logprobs_sent = 0  # prompt positions whose logprobs were already returned
         self.block_hashes: list[bytes] = []  # chained hashes of this request's full blocks
+        # Structured outputs: the request's GrammarState (structured_output/manager.py), set by the engine core.
+        self.grammar: Any = None
         max_tokens = sampling_params.max_tokens
         self.max_tokens = max_tokens if max_tokens is not None else 1 << 62
 

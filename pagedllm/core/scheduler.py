@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -35,6 +36,8 @@ from pagedllm.core.sched_output import (
     SchedulerOutput,
     SchedulerStats,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class WaitingQueue:
@@ -101,6 +104,9 @@ class Scheduler:
         self.num_generation_tokens = 0
         self._runner_num_blocks: dict[str, int] = {}  # block ids the runner already holds, per request
         self.async_scheduling = config.async_scheduling
+        # Outputs of requests finished outside a step (a grammar that failed to compile): sent with the next step.
+        self.early_outputs: list[EngineCoreOutput] = []
+        self.num_grammar_reqs = 0  # unfinished requests with a structured-output constraint
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -108,6 +114,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        self.num_grammar_reqs += request.grammar is not None
         self.waiting.add(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
@@ -125,6 +132,7 @@ class Scheduler:
 
     def _free(self, request: Request) -> None:
         self.kv.free(request)
+        self.num_grammar_reqs -= request.grammar is not None
         self.finished_req_ids.add(request.request_id)
         self.preempted_req_ids.discard(request.request_id)
         del self.requests[request.request_id]
@@ -195,10 +203,18 @@ class Scheduler:
 
         # 2. Waiting requests, unless this step already had to preempt (no room to grow).
         new_reqs: list[Request] = []
+        waiting_for_grammar: list[Request] = []
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             if request.num_output_placeholders:
                 break  # preempted with a token still in flight: resumable once that token is known
+            if request.grammar is not None and not request.grammar.ready():
+                waiting_for_grammar.append(self.waiting.pop())  # still compiling: let the others go first
+                continue
+            if request.grammar is not None and request.grammar.error is not None:
+                self.waiting.pop()
+                self._finish_early(request, f"its grammar failed to compile: {request.grammar.error}")
+                continue
             hit_blocks, num_hit = [], 0
             if request.num_computed_tokens == 0:
                 hit_blocks, num_hit = self.kv.get_computed_blocks(request)
@@ -219,6 +235,9 @@ class Scheduler:
             new_reqs.append(request)
             scheduled[request.request_id] = num_new
             budget -= num_new
+
+        for request in reversed(waiting_for_grammar):
+            self.waiting.add(request, front=True)
 
         # 3. Package: new (or resumed) requests in full, the others as diffs.
         new_ids = {r.request_id for r in new_reqs}
@@ -291,6 +310,10 @@ class Scheduler:
             for token_id in new_token_ids:
                 request.append_output_token(token_id)
                 self.num_generation_tokens += 1
+                if request.grammar is not None and not request.grammar.accept(token_id):
+                    logger.error("request %s: its grammar rejected token %d; aborting it", req_id, token_id)
+                    request.status = RequestStatus.FINISHED_ABORTED
+                    break
                 if self._check_stop(request, token_id):
                     break
             if not new_token_ids and prompt_lp is None:
@@ -316,6 +339,23 @@ class Scheduler:
                     self.waiting.remove(request)
                 self._free(request)
         return EngineCoreOutputs(outputs=outputs, stats=self.make_stats(), timestamp=time.monotonic())
+
+    def _finish_early(self, request: Request, why: str) -> None:
+        """Abort a waiting request that can never run, and queue the output that tells its client."""
+        logger.error("request %s aborted: %s", request.request_id, why)
+        request.status = RequestStatus.FINISHED_ABORTED
+        self._free(request)
+        self.early_outputs.append(
+            EngineCoreOutput(request_id=request.request_id, new_token_ids=[], finish_reason="abort")
+        )
+
+    def take_early_outputs(self) -> list[EngineCoreOutput]:
+        outputs, self.early_outputs = self.early_outputs, []
+        return outputs
+
+    def requests_waiting_for_grammar(self) -> list[Request]:
+        """Waiting requests whose grammar is still compiling."""
+        return [r for r in self.requests.values() if r.grammar is not None and not r.grammar.ready()]
 
     @staticmethod
     def _new_prompt_logprob_rows(

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import EngineCoreOutputs, EngineCoreRequest, SchedulerOutput, SchedulerStats
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.worker.model_runner import ModelRunner, StepInFlight
 
 logger = logging.getLogger(__name__)
@@ -23,8 +25,12 @@ IDLE_CHECK_MAX_BLOCKS = 32768
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tokenizer: Any = None) -> None:
+        """``tokenizer``: the front-end's, when it shares the process (structured outputs need one; without it
+        the core loads its own at the first constrained request)."""
         self.config = config
+        self._tokenizer = tokenizer
+        self.structured: StructuredOutputManager | None = None  # created at the first constrained request
         t0 = time.perf_counter()
         self.runner = ModelRunner(config)
         t_load = time.perf_counter()
@@ -97,8 +103,51 @@ class EngineCore:
             raise ValueError(
                 f"prompt_token_ids must be in [0, {self.vocab_size}): token ids out of vocabulary"
             )
-        self.scheduler.add_request(Request.from_engine_core_request(request))
+        req = Request.from_engine_core_request(request)
+        so = request.sampling_params.structured_outputs
+        if so is not None:
+            stop = [] if request.eos_token_id is None else [request.eos_token_id]
+            stop += request.sampling_params.stop_token_ids or []
+            req.grammar = self._structured().new_state(so, req.prompt_token_ids, stop)
+        self.scheduler.add_request(req)
         self._idle_check_due = True
+
+    def _structured(self) -> StructuredOutputManager:
+        if self.structured is None:
+            mc = self.config.model_config
+
+            def load_tokenizer() -> Any:
+                if self._tokenizer is None:
+                    from pagedllm.tokenizer import get_tokenizer
+
+                    self._tokenizer = get_tokenizer(mc.tokenizer, trust_remote_code=mc.trust_remote_code)
+                return self._tokenizer
+
+            markers = None
+            if self.config.reasoning_parser is not None:
+                from pagedllm.entrypoints.openai.reasoning_parsers import get_reasoning_parser
+
+                parser = get_reasoning_parser(self.config.reasoning_parser)
+                markers = (parser.start_token, parser.end_token)
+            self.structured = StructuredOutputManager(
+                mc.vocab_size, load_tokenizer, markers, pin_memory=self.runner.device.type == "cuda"
+            )
+        return self.structured
+
+    def _grammar_bitmask(self, step: StepInFlight):
+        """The step's bitmask (host tensor), or None when none of its sampling rows is constrained."""
+        if self.structured is None or not step.sample_req_ids or not self.scheduler.num_grammar_reqs:
+            return None
+        requests = self.scheduler.requests
+        states = [getattr(requests.get(r), "grammar", None) for r in step.sample_req_ids]
+        return self.structured.grammar_bitmask(states)
+
+    def _wait_for_grammars(self) -> None:
+        """Nothing could be scheduled: if requests wait for their grammar, block briefly on the first of them
+        instead of spinning."""
+        waiting = self.scheduler.requests_waiting_for_grammar()
+        if waiting:
+            waiting[0].grammar.wait(0.05)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -119,22 +168,40 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs(stats=self.get_stats(), timestamp=time.monotonic())
         sched = self.scheduler.schedule()
-        result = self.runner.execute_model(sched)
-        outputs = self.scheduler.update_from_output(sched, result)
-        if outputs.stats is not None:
-            outputs.stats.num_integrity_failures = self.num_integrity_failures
-        return outputs
+        if sched.total_num_scheduled_tokens == 0:
+            self._wait_for_grammars()
+        step = self.runner.launch(sched)
+        self.runner.sample(step, self._grammar_bitmask(step))
+        outputs = self.scheduler.update_from_output(sched, self.runner.collect(step))
+        return self._finish_outputs(outputs)
 
     def _step_async(self) -> EngineCoreOutputs:
+        """Launch step N+1's forward, then finish step N. A step with constrained rows samples after step N's
+        tokens have advanced the grammars (its forward runs on the device meanwhile); others sample at once."""
         launched = None
+        sample_later = False
         if self.scheduler.has_unfinished_requests():
             sched = self.scheduler.schedule()
-            launched = (sched, self.runner.execute_model_async(sched))
+            if sched.total_num_scheduled_tokens == 0:
+                self._wait_for_grammars()
+            step = self.runner.launch(sched)
+            sample_later = self.scheduler.num_grammar_reqs > 0 and bool(step.sample_req_ids)
+            if not sample_later:
+                self.runner.sample(step)
+            launched = (sched, step)
         prev, self._in_flight = self._in_flight, launched
         if prev is None:
-            return EngineCoreOutputs(stats=self.get_stats(), timestamp=time.monotonic())
-        outputs = self.scheduler.update_from_output(prev[0], self.runner.collect(prev[1]))
+            outputs = EngineCoreOutputs(stats=self.get_stats(), timestamp=time.monotonic())
+        else:
+            outputs = self.scheduler.update_from_output(prev[0], self.runner.collect(prev[1]))
+        if sample_later:
+            self.runner.sample(launched[1], self._grammar_bitmask(launched[1]))
         self._drain_if_idle()
+        return self._finish_outputs(outputs)
+
+    def _finish_outputs(self, outputs: EngineCoreOutputs) -> EngineCoreOutputs:
+        if self.scheduler.early_outputs:
+            outputs.outputs.extend(self.scheduler.take_early_outputs())
         if outputs.stats is not None:
             outputs.stats.num_integrity_failures = self.num_integrity_failures
         return outputs
@@ -207,3 +274,5 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.runner.kv_caches = []
+        if self.structured is not None:
+            self.structured.shutdown()

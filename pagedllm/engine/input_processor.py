@@ -214,6 +214,10 @@ class InputProcessor:
                 raise ValueError(f"{name} must be at most {self.max_logprobs}, got {value}")
         if params.stop and not params.detokenize:
             raise ValueError("stop strings need detokenize=True")
+        if params.structured_outputs is not None:
+            from pagedllm.structured_output.grammar import validate_structured_outputs
+
+            validate_structured_outputs(params.structured_outputs)
         params = params.clone()
         if params.max_tokens is None:
             params.max_tokens = self.max_model_len - prompt_len

@@ -27,7 +27,7 @@ class LLMEngine:
         self.tokenizer = get_tokenizer(mc.tokenizer, trust_remote_code=mc.trust_remote_code)
         self.input_processor = InputProcessor(mc, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core = EngineCore(config)
+        self.engine_core = EngineCore(config, tokenizer=self.tokenizer)
         self.last_stats = SchedulerStats()
 
     @classmethod

@@ -53,6 +53,9 @@ class SamplingMetadata:
     logit_bias_index: torch.Tensor | None = None  # [2, num_bias] int64 (row, token)
     logit_bias_values: torch.Tensor | None = None  # [num_bias] float32, added at logit_bias_index
 
+    # --- structured outputs (applied first, to greedy rows too)
+    grammar_bitmask: torch.Tensor | None = None  # [num_reqs, ceil(vocab_size / 32)] int32, bit set = allowed
+
     # --- logprobs
     max_num_logprobs: int | None = None  # largest params.logprobs over rows; None when no row wants logprobs
 
@@ -60,7 +63,13 @@ class SamplingMetadata:
     def needs_logits_edit(self) -> bool:
         """Whether anything changes the logits before the greedy argmax (masks, bias, penalties)."""
         return not self.no_penalties or any(
-            t is not None for t in (self.allowed_token_mask, self.banned_token_index, self.logit_bias_index)
+            t is not None
+            for t in (
+                self.grammar_bitmask,
+                self.allowed_token_mask,
+                self.banned_token_index,
+                self.logit_bias_index,
+            )
         )
 
 

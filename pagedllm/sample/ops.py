@@ -111,3 +111,16 @@ def random_sample(
     # exponential_ may return exactly 0; 0/0 would be NaN and could win the argmax.
     q.clamp_(min=torch.finfo(q.dtype).tiny)
     return probs.div_(q).argmax(dim=-1)
+
+
+def apply_token_bitmask_(
+    logits: torch.Tensor,  # [num_reqs, vocab_size] float32
+    bitmask: torch.Tensor,  # [num_reqs, ceil(vocab_size / 32)] int32; bit j of word w allows token 32 * w + j
+) -> torch.Tensor:
+    """Structured outputs: set every token the row's grammar does not allow to ``-inf`` (rows whose words are all
+    ``-1`` are unchanged). Bits past ``vocab_size`` are ignored."""
+    num_reqs, vocab_size = logits.shape
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)  # [32]
+    allowed = (bitmask.unsqueeze(-1) >> shifts) & 1  # [num_reqs, num_words, 32]; >> of int32 keeps the bit
+    allowed = allowed.view(num_reqs, -1)[:, :vocab_size].bool()  # [num_reqs, vocab_size]
+    return logits.masked_fill_(~allowed, _NEG_INF)

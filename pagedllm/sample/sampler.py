@@ -3,7 +3,7 @@
 Order of operations (each step skipped when no row uses it)::
 
     raw logits ──────────────────────────────────────────────────────────────► logprobs (log_softmax, fp32)
-        │ allowed_token_ids, bad words, min_tokens (-inf); logit_bias (+)
+        │ grammar bitmask (structured outputs), allowed_token_ids, bad words, min_tokens (-inf); logit_bias (+)
         │ penalties: repetition (prompt + output), frequency, presence
         ├─► argmax ──► greedy rows
         │ / temperature; min-p; top-k; top-p
@@ -24,6 +24,7 @@ from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.ops import (
     apply_min_p_,
     apply_penalties_,
+    apply_token_bitmask_,
     apply_top_k_only_,
     apply_top_k_top_p,
     random_sample,
@@ -112,6 +113,8 @@ class Sampler(nn.Module):
     def _edit_logits_(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
         """Masks, bias and penalties, in place: everything that can change the greedy choice."""
         neg_inf = float("-inf")
+        if metadata.grammar_bitmask is not None:
+            apply_token_bitmask_(logits, metadata.grammar_bitmask)
         if metadata.allowed_token_mask is not None:
             logits.masked_fill_(metadata.allowed_token_mask, neg_inf)
         if metadata.banned_token_index is not None:

@@ -40,6 +40,7 @@ class StepInFlight:
     sample_pos: np.ndarray | None = None  # [num_sampled] position of each sampled token in its row
     sample_gen: np.ndarray | None = None  # [num_sampled] row owner generation when sampled
     sample_num_logprobs: np.ndarray | None = None  # [num_sampled] -1 = no logprobs wanted
+    logits: torch.Tensor | None = None  # [num_sampled, vocab_size] between launch and sample
     sampled: torch.Tensor | None = None  # [num_sampled] int64 on the device
     sampled_host: torch.Tensor | None = None  # [num_sampled] int64 host copy (pinned, filled asynchronously)
     logprobs: LogprobsTensors | None = None  # host copies on CUDA
@@ -202,9 +203,17 @@ class ModelRunner:
         """Run one step and wait for its sampled tokens (the synchronous engine loop)."""
         return self.collect(self.execute_model_async(sched))
 
-    @torch.inference_mode()
     def execute_model_async(self, sched: SchedulerOutput) -> StepInFlight:
-        """Launch one step; its sampled ids stay on the device (``collect`` reads them later).
+        """Launch one step and its sampling; the sampled ids stay on the device (``collect`` reads them later)."""
+        step = self.launch(sched)
+        self.sample(step)
+        return step
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput) -> StepInFlight:
+        """Launch one step's forward pass up to the logits of the rows that sample; ``sample`` must follow
+        (before the next ``launch``). Between the two the caller may compute a grammar bitmask for
+        ``step.sample_req_ids``, while the device runs the forward.
 
         A request whose last token was sampled by the previous step, still unread, is fed that token on the device.
         Host work is array operations over the persistent batch: no loop over requests unless a request asks for
@@ -292,13 +301,27 @@ class ModelRunner:
         if len(sample_idx) == 0:
             return step
         last_token = torch.from_numpy(cu[1:][sample_idx] - 1).to(dev, non_blocking=True)
-        logits = self.model.compute_logits(hidden[last_token])  # [num_sampled, vocab_size]
-        s_rows = rows[sample_idx]  # [num_sampled]
-        sampled = self.sampler(logits, self._sampling_metadata(s_rows))
+        step.logits = self.model.compute_logits(hidden[last_token])  # [num_sampled, vocab_size]
+        step.sample_req_ids = np.array(req_ids, dtype=object)[sample_idx].tolist()
+        step.sample_rows = rows[sample_idx]  # [num_sampled]
+        return step
+
+    @torch.inference_mode()
+    def sample(self, step: StepInFlight, grammar_bitmask: torch.Tensor | None = None) -> None:
+        """Sample ``step``'s rows. ``grammar_bitmask``: [num_sampled, ceil(vocab_size / 32)] int32 on the host,
+        bit j of word w of row i set when token 32 * w + j is allowed for ``step.sample_req_ids[i]``."""
+        if step.logits is None:
+            return
+        batch = self.input_batch
+        dev = self.device
+        s_rows = step.sample_rows
+        meta = self._sampling_metadata(s_rows)
+        if grammar_bitmask is not None:
+            meta.grammar_bitmask = grammar_bitmask.to(dev, non_blocking=True)
+        sampled = self.sampler(step.logits, meta)
+        step.logits = None
 
         # The sampled tokens become placeholders at the end of their rows until ``collect`` reads them.
-        step.sample_req_ids = np.array(req_ids, dtype=object)[sample_idx].tolist()
-        step.sample_rows = s_rows
         step.sample_pos = batch.num_tokens_np[s_rows].copy()
         step.sample_gen = batch.row_gen[s_rows].copy()
         step.sample_num_logprobs = batch.num_logprobs_np[s_rows].copy()
@@ -317,7 +340,6 @@ class ModelRunner:
             step.event.record()
         else:
             step.sampled_host = step.sampled
-        return step
 
     def _sampling_metadata(self, s_rows: np.ndarray):
         batch = self.input_batch
