@@ -41,6 +41,12 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
         default=None,
         help="plan the next step while the GPU runs this one (default: on with CUDA, off on CPU)",
     )
+    parser.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=["deepseek_r1", "qwen3"],
+        help="split <think>...</think> into reasoning_content; structured outputs apply after it",
+    )
 
 
 def resolve_model_arg(args: argparse.Namespace) -> str:
@@ -74,6 +80,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         attention_backend=args.attention_backend,
         scheduling_policy=args.scheduling_policy,
         async_scheduling=args.async_scheduling,
+        reasoning_parser=getattr(args, "reasoning_parser", None),
         served_model_name=getattr(args, "served_model_name", None),
     )
 

@@ -46,6 +46,7 @@ class LLM:
         scheduling_policy: str = "fcfs",
         check_integrity_on_idle: bool = True,
         async_scheduling: bool | None = None,
+        reasoning_parser: str | None = None,
         **kwargs: Any,
     ) -> None:
         if kwargs:
@@ -76,6 +77,7 @@ class LLM:
             scheduling_policy=scheduling_policy,
             check_integrity_on_idle=check_integrity_on_idle,
             async_scheduling=async_scheduling,
+            reasoning_parser=reasoning_parser,
         )
         self.llm_engine = LLMEngine(config)
         self._counter = itertools.count()

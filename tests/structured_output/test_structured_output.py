@@ -57,7 +57,12 @@ SCHEMAS = [
         },
         "required": ["color", "ok", "ratio"],
     },
-    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "minItems": 2, "maxItems": 4},
+    {
+        "type": "array",
+        "items": {"type": "integer", "minimum": 0, "maximum": 99},
+        "minItems": 2,
+        "maxItems": 4,
+    },
 ]
 REGEX = r"[a-z]{2,8}@[a-z]{2,6}\.(com|org)"
 CHOICES = ["yes", "no", "maybe so"]
@@ -312,3 +317,30 @@ def test_grammar_state_reports_a_compile_failure() -> None:
     future.set_exception(RuntimeError("boom"))
     state = GrammarState(future, [1, 2], [1])
     assert state.ready() and "boom" in state.error and not state.active
+
+
+@pytest.mark.gpu
+def test_gpu_constrained_tokens_match_between_sync_and_async_with_cuda_graphs() -> None:
+    """On the GPU (Triton attention, CUDA graphs for decode, pinned bitmask buffers): the async loop gives the
+    sync loop's tokens, and they obey the constraints."""
+    cases = _cases()
+    prompts = _prompts(cases) * 3
+    params = [_params_for(k, s, disable_any_whitespace=True) for k, s in cases] * 3
+    tokens = []
+    for async_scheduling in (False, True):
+        llm = LLM(
+            default_model(),
+            dtype="float32",
+            device="cuda",
+            gpu_memory_utilization=0.3,
+            async_scheduling=async_scheduling,
+        )
+        assert llm.llm_engine.engine_core.runner.graph_runner is not None
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        tokens.append([o.outputs[0].token_ids for o in outs])
+        for (kind, spec), out in zip(cases * 3, outs, strict=True):
+            assert out.outputs[0].finish_reason == "stop", (kind, out.outputs[0].text)
+            check(kind, spec, out.outputs[0].text)
+        del llm
+        torch.cuda.empty_cache()
+    assert tokens[0] == tokens[1]

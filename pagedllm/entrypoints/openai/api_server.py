@@ -173,6 +173,9 @@ def build_app(
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     metrics: Any = None,
     enable_debug_endpoints: bool = False,
+    enable_auto_tool_choice: bool = False,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """The FastAPI app for ``engine`` (an ``AsyncLLM``); ``metrics`` is a ``PrometheusStatLogger`` or None.
 
@@ -180,12 +183,15 @@ def build_app(
     integrity check and its request-table sizes, for soak tests and operators chasing a leak.
     """
     app = FastAPI(title="pagedllm", version=__version__)
-    completion = OpenAIServingCompletion(
-        engine, served_model_names, max_logprobs=max_logprobs, chat_template=chat_template
+    serving_kwargs = dict(
+        max_logprobs=max_logprobs,
+        chat_template=chat_template,
+        enable_auto_tool_choice=enable_auto_tool_choice,
+        tool_call_parser=tool_call_parser,
+        reasoning_parser=reasoning_parser,
     )
-    chat = OpenAIServingChat(
-        engine, served_model_names, max_logprobs=max_logprobs, chat_template=chat_template
-    )
+    completion = OpenAIServingCompletion(engine, served_model_names, **serving_kwargs)
+    chat = OpenAIServingChat(engine, served_model_names, **serving_kwargs)
     model_config = engine.model_config
 
     @app.exception_handler(OpenAIError)
@@ -355,6 +361,17 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES)
     group.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser',
+    )
+    group.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=["hermes", "llama3_json", "mistral", "pythonic"],
+        help="the format the model writes tool calls in (Qwen2.5/Qwen3/Hermes: hermes)",
+    )
+    group.add_argument(
         "--enable-debug-endpoints",
         action="store_true",
         help="serve GET /debug/integrity (the engine's integrity check and request tables; for tests)",
@@ -405,6 +422,8 @@ def main(args: argparse.Namespace) -> int:
         chat_template = load_chat_template(args.chat_template)
         if args.max_logprobs < 0:
             raise ValueError(f"--max-logprobs must be >= 0, got {args.max_logprobs}")
+        if args.enable_auto_tool_choice and not args.tool_call_parser:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         if args.max_request_body_bytes < 1024:
             raise ValueError(
                 f"--max-request-body-bytes must be at least 1024, got {args.max_request_body_bytes}"
@@ -471,6 +490,9 @@ async def _serve(
             max_request_body_bytes=args.max_request_body_bytes,
             metrics=metrics,
             enable_debug_endpoints=args.enable_debug_endpoints,
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
+            tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
         )
         uv_config = uvicorn.Config(
             app,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -10,6 +11,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pagedllm.engine.async_llm import RequestStream
+from pagedllm.entrypoints.openai.chat_output import ChatOutput
+from pagedllm.entrypoints.openai.constraints import (
+    ToolPlan,
+    check_no_conflict,
+    plan_tools,
+    structured_outputs_from_request,
+)
 from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request, from_value_error
 from pagedllm.entrypoints.openai.protocol import (
     ChatChoiceLogprobs,
@@ -45,14 +53,24 @@ class OpenAIServingChat(OpenAIServing):
     }
 
     def render_prompt(
-        self, messages: list[ChatMessage], add_generation_prompt: bool
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> tuple[str, list[int]]:
         """Apply the chat template and tokenize; ValueErrors become 400s naming ``messages``."""
-        conversation = [m.model_dump(exclude_none=True) for m in messages]
+        conversation = [_template_message(m.model_dump(exclude_none=True)) for m in messages]
         processor = self.engine.input_processor
+        kwargs = dict(template_kwargs or {})
+        if tools:
+            kwargs["tools"] = tools
         try:
             text = processor.apply_chat_template(
-                conversation, chat_template=self.chat_template, add_generation_prompt=add_generation_prompt
+                conversation,
+                chat_template=self.chat_template,
+                add_generation_prompt=add_generation_prompt,
+                **kwargs,
             )
         except ValueError as e:
             raise from_value_error(e, {"messages": "messages", "chat_template": None}) from None
@@ -71,7 +89,15 @@ class OpenAIServingChat(OpenAIServing):
         num_top = (req.top_logprobs or 0) if req.logprobs else None
         self.check_logprobs(num_top, "top_logprobs")
         self.check_stream_options(req)
-        prompt_text, token_ids = self.render_prompt(req.messages, req.add_generation_prompt is not False)
+        plan = plan_tools(req, self.enable_auto_tool_choice, self.tool_call_parser)
+        structured = structured_outputs_from_request(req)
+        check_no_conflict(plan, structured)
+        prompt_text, token_ids = self.render_prompt(
+            req.messages,
+            req.add_generation_prompt is not False,
+            tools=plan.tools,
+            template_kwargs=req.chat_template_kwargs,
+        )
         if req.max_completion_tokens is not None:
             max_tokens_param, requested = "max_completion_tokens", req.max_completion_tokens
         else:
@@ -81,17 +107,26 @@ class OpenAIServingChat(OpenAIServing):
         )
         streaming = bool(req.stream)
         kind = RequestOutputKind.DELTA if streaming else RequestOutputKind.FINAL_ONLY
-        params = self.sampling_params(req, max_tokens=max_tokens, logprobs=num_top, output_kind=kind)
+        # Parsers that look for special tokens ([TOOL_CALLS], <|python_tag|>) need them in the text.
+        keep_special = plan.mode == "auto" and self.tool_call_parser in _PARSERS_READING_SPECIAL_TOKENS
+        params = self.sampling_params(
+            req,
+            max_tokens=max_tokens,
+            logprobs=num_top,
+            output_kind=kind,
+            structured_outputs=plan.constraint or structured,
+            skip_special_tokens=False if keep_special else None,
+        )
         request_id = new_request_id("chatcmpl")
         stream = self.add_request(request_id, {"prompt_token_ids": token_ids, "prompt": prompt_text}, params)
         if streaming:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return SSEResponse(
-                self._stream(req, request_id, len(token_ids), stream, num_top, include_usage), [stream]
+                self._stream(req, request_id, len(token_ids), stream, num_top, include_usage, plan), [stream]
             )
         try:
             response = await wait_or_disconnect(
-                raw_request, self._collect(request_id, len(token_ids), stream, num_top)
+                raw_request, self._collect(request_id, len(token_ids), stream, num_top, plan)
             )
         except Exception as e:  # noqa: BLE001 - mapped to the OpenAI error shape
             raise to_openai_error(e, self.field_map) from None
@@ -101,8 +136,16 @@ class OpenAIServingChat(OpenAIServing):
             return Response(status_code=499)
         return JSONResponse(response.model_dump())
 
+    def _output(self, plan: ToolPlan) -> ChatOutput:
+        return ChatOutput(plan, self.reasoning_parser_cls, self.tool_parser_cls)
+
     async def _collect(
-        self, request_id: str, num_prompt_tokens: int, stream: RequestStream, num_top: int | None
+        self,
+        request_id: str,
+        num_prompt_tokens: int,
+        stream: RequestStream,
+        num_top: int | None,
+        plan: ToolPlan,
     ) -> ChatCompletionResponse:
         final = None
         try:
@@ -120,12 +163,13 @@ class OpenAIServingChat(OpenAIServing):
                 logprobs = ChatChoiceLogprobs(
                     content=self.chat_logprobs(c.token_ids, c.logprobs or [], num_top)
                 )
+            message, finish_reason = self._output(plan).final(c.text, c.finish_reason)
             choices.append(
                 ChatCompletionResponseChoice(
                     index=c.index,
-                    message=ChatResponseMessage(role="assistant", content=c.text),
+                    message=ChatResponseMessage(role="assistant", **message),
                     logprobs=logprobs,
-                    finish_reason=c.finish_reason,
+                    finish_reason=finish_reason,
                     stop_reason=c.stop_reason,
                 )
             )
@@ -144,10 +188,12 @@ class OpenAIServingChat(OpenAIServing):
         stream: RequestStream,
         num_top: int | None,
         include_usage: bool,
+        plan: ToolPlan,
     ) -> AsyncIterator[str]:
         created = int(time.time())
         model = self.model_name
         num_tokens = [0] * req.n
+        outputs = [self._output(plan) for _ in range(req.n)]
         try:
             for index in range(req.n):
                 yield sse(chat_chunk(request_id, created, model, index, {"role": "assistant", "content": ""}))
@@ -159,7 +205,15 @@ class OpenAIServingChat(OpenAIServing):
                     logprobs: dict[str, Any] | None = None
                     if num_top is not None:
                         logprobs = {"content": self.chat_logprobs(c.token_ids, c.logprobs or [], num_top)}
-                    delta = {"content": c.text} if c.text or c.finish_reason is None else {}
+                    delta = outputs[c.index].delta(c.text) if c.text else {}
+                    finish_reason = c.finish_reason
+                    if finish_reason is not None:
+                        last, finish_reason = outputs[c.index].finish(finish_reason)
+                        _merge_delta(delta, last)
+                    if not delta and finish_reason is None and logprobs is None:
+                        continue
+                    if not delta and finish_reason is None:
+                        delta = {"content": ""}
                     yield sse(
                         chat_chunk(
                             request_id,
@@ -168,7 +222,7 @@ class OpenAIServingChat(OpenAIServing):
                             c.index,
                             delta,
                             logprobs,
-                            c.finish_reason,
+                            finish_reason,
                             c.stop_reason,
                         )
                     )
@@ -181,3 +235,32 @@ class OpenAIServingChat(OpenAIServing):
         finally:
             stream.close()
         yield SSE_DONE
+
+
+_PARSERS_READING_SPECIAL_TOKENS = ("mistral", "llama3_json", "pythonic")
+
+
+def _template_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A message as chat templates expect it: a tool call's JSON ``arguments`` string becomes a dict."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    fixed = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            try:
+                function = {**function, "arguments": json.loads(function["arguments"])}
+            except json.JSONDecodeError:
+                pass
+            call = {**call, "function": function}
+        fixed.append(call)
+    return {**message, "tool_calls": fixed}
+
+
+def _merge_delta(delta: dict[str, Any], more: dict[str, Any]) -> None:
+    for key, value in more.items():
+        if key == "tool_calls":
+            delta.setdefault("tool_calls", []).extend(value)
+        else:
+            delta[key] = delta.get(key, "") + value

@@ -10,6 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pagedllm.engine.async_llm import RequestStream
+from pagedllm.entrypoints.openai.constraints import structured_outputs_from_request
 from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request
 from pagedllm.entrypoints.openai.protocol import (
     CompletionLogProbs,
@@ -75,6 +76,7 @@ class OpenAIServingCompletion(OpenAIServing):
             raise bad_request(f"n must be at least 1, got {req.n}", "n")
         self.check_logprobs(req.logprobs, "logprobs")
         self.check_stream_options(req)
+        structured = structured_outputs_from_request(req)
         prompts = self._prompts(req.prompt)
         echo = bool(req.echo)
         # echo with max_tokens=0 scores the prompt (prompt logprobs, as lm-eval-harness asks): generate one
@@ -98,6 +100,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     logprobs=req.logprobs,
                     prompt_logprobs=req.logprobs if echo else None,
                     output_kind=kind,
+                    structured_outputs=structured,
                 )
                 engine_prompt: dict[str, Any] = {"prompt_token_ids": prompt.token_ids}
                 if prompt.given_text is not None:

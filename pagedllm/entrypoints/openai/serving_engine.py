@@ -26,7 +26,7 @@ from pagedllm.entrypoints.openai.errors import (
     from_value_error,
 )
 from pagedllm.outputs import Logprob
-from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from pagedllm.tokenizer import TokenTextCache
 
 logger = logging.getLogger(__name__)
@@ -150,8 +150,18 @@ class OpenAIServing:
         *,
         max_logprobs: int = 20,
         chat_template: str | None = None,
+        enable_auto_tool_choice: bool = False,
+        tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
     ) -> None:
+        from pagedllm.entrypoints.openai.reasoning_parsers import get_reasoning_parser
+        from pagedllm.entrypoints.openai.tool_parsers import get_tool_parser
+
         self.engine = engine
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.tool_call_parser = tool_call_parser
+        self.tool_parser_cls = get_tool_parser(tool_call_parser) if tool_call_parser else None
+        self.reasoning_parser_cls = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
         self.served_model_names = served_model_names
         self.model_name = served_model_names[0]
         self.max_logprobs = max_logprobs
@@ -236,6 +246,8 @@ class OpenAIServing:
         logprobs: int | None,
         prompt_logprobs: int | None = None,
         output_kind: RequestOutputKind,
+        structured_outputs: StructuredOutputsParams | None = None,
+        skip_special_tokens: bool | None = None,
     ) -> SamplingParams:
         stop = req.stop
         if isinstance(stop, str):
@@ -266,7 +278,10 @@ class OpenAIServing:
             ignore_eos=bool(req.ignore_eos),
             stop_token_ids=req.stop_token_ids,
             include_stop_str_in_output=bool(req.include_stop_str_in_output),
-            skip_special_tokens=req.skip_special_tokens is not False,
+            skip_special_tokens=req.skip_special_tokens is not False
+            if skip_special_tokens is None
+            else skip_special_tokens,
+            structured_outputs=structured_outputs,
             spaces_between_special_tokens=req.spaces_between_special_tokens is not False,
             output_kind=output_kind,
         )
