@@ -266,6 +266,10 @@ def bench_prefill(mm_tflops: float, use_flex: bool, sweep: bool) -> None:
                 (128, 32, 64, 8, 2),
                 (128, 32, 32, 8, 3),
                 (64, 16, 32, 4, 3),
+                (128, 32, 64, 8, 3),
+                (128, 32, 128, 8, 2),
+                (64, 16, 128, 4, 2),
+                (128, 32, 64, 4, 2),
             ):
                 try:
                     ms = median_ms(pb.triton_fn(config=config))

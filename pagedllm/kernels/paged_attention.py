@@ -73,6 +73,41 @@ def num_kv_splits(num_q_tiles: int, num_kv_heads: int, max_seq_len: int, num_sms
 
 
 @triton.jit
+def _attend_tile(
+    q, m_i, l_i, acc, t, q_pos, kv_end, qk_scale, block_table_row, kv_cache_ptr, v_cache_ptr, kv_head_off,
+    stride_cb, stride_cs, offs_d,
+    TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    """One key tile of the online softmax. MASKED: the tile may hold keys past ``kv_end`` or after a row's own
+    position (the causal diagonal); otherwise every key is visible to every row and no mask is built."""
+    offs_n = t * TILE_N + tl.arange(0, TILE_N)
+    if MASKED:
+        n_valid = offs_n < kv_end
+        block = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+    else:
+        block = tl.load(block_table_row + offs_n // BLOCK_SIZE).to(tl.int64)
+    slot_off = block * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs + kv_head_off  # [TILE_N]
+    if MASKED:
+        k = tl.load(kv_cache_ptr + slot_off[None, :] + offs_d[:, None], mask=n_valid[None, :], other=0.0)
+    else:
+        k = tl.load(kv_cache_ptr + slot_off[None, :] + offs_d[:, None])  # [HEAD_DIM, TILE_N]
+    s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
+    if MASKED:
+        visible = n_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if MASKED:
+        v = tl.load(v_cache_ptr + slot_off[:, None] + offs_d[None, :], mask=n_valid[:, None], other=0.0)
+    else:
+        v = tl.load(v_cache_ptr + slot_off[:, None] + offs_d[None, :])  # [TILE_N, HEAD_DIM]
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim]
     kv_cache_ptr,  # [2, num_blocks, block_size, num_kv_heads, head_dim]: keys at 0, values at stride_kv
@@ -166,26 +201,18 @@ def _paged_attention_kernel(
     kv_head_off = kv_head * stride_ch
     v_cache_ptr = kv_cache_ptr + stride_kv
 
-    for t in range(tile_lo, tile_hi):
-        offs_n = t * TILE_N + tl.arange(0, TILE_N)
-        n_valid = offs_n < kv_end
-        block = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
-        slot_off = block * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs + kv_head_off  # [TILE_N]
-        k = tl.load(
-            kv_cache_ptr + slot_off[None, :] + offs_d[:, None], mask=n_valid[None, :], other=0.0
-        )  # [HEAD_DIM, TILE_N]
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
-        visible = n_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_cache_ptr + slot_off[:, None] + offs_d[None, :], mask=n_valid[:, None], other=0.0
-        )  # [TILE_N, HEAD_DIM]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    # Tiles below n_full hold only keys every row of the tile may see: no causal or length mask there.
+    n_full = (ctx_len + q_tok0 + 1) // TILE_N
+    for t in range(tile_lo, tl.minimum(tile_hi, n_full)):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, t, q_pos, kv_end, qk_scale, block_table_row, kv_cache_ptr, v_cache_ptr,
+            kv_head_off, stride_cb, stride_cs, offs_d, TILE_N, BLOCK_SIZE, DOT_PRECISION, False,
+        )  # fmt: skip
+    for t in range(tl.maximum(tile_lo, n_full), tile_hi):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, t, q_pos, kv_end, qk_scale, block_table_row, kv_cache_ptr, v_cache_ptr,
+            kv_head_off, stride_cb, stride_cs, offs_d, TILE_N, BLOCK_SIZE, DOT_PRECISION, True,
+        )  # fmt: skip
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
