@@ -12,7 +12,7 @@ Each K/V tile is loaded once per KV head and used by the whole group through ``t
 the keys its last query may see, ``TILE_N`` at a time, gathering each key's block through the block table,
 with an online softmax in fp32 (base 2, the scale folded into the scores).
 
-Grid ``(num_q_tiles, num_kv_heads, num_splits)``:
+Grid ``(num_kv_heads, num_q_tiles, num_splits)`` (prefill tiles in reverse order: longest first):
 
 * mixed / prefill batches: ``num_q_tiles = num_tokens // BLOCK_Q + num_reqs``, an upper bound on the
   tiles of all requests (request r's tiles start at ``query_start_loc[r] // BLOCK_Q + r``; each program
@@ -26,7 +26,7 @@ output with its running max and sum to fp32 scratch and a second kernel merges t
 :func:`num_kv_splits` for the rule.
 
 CUDA graphs. The launcher reads only Python ints and never syncs. The attention grid is
-``(num_q_tiles, num_kv_heads, num_splits)`` with ``num_q_tiles`` as above (``BLOCK_Q`` from
+``(num_kv_heads, num_q_tiles, num_splits)`` with ``num_q_tiles`` as above (``BLOCK_Q`` from
 :func:`tile_config`, a function of ``max_query_len``, the group, head_dim and dtype) and
 ``num_splits = num_kv_splits(num_q_tiles, num_kv_heads, max_seq_len, num_SMs)``; with ``num_splits > 1`` a
 merge kernel runs over ``(query.shape[0], num_heads)`` and fp32 scratch is taken with ``torch.empty`` (from
@@ -141,9 +141,13 @@ def _paged_attention_kernel(
     PURE_DECODE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, else "tf32" (ignored for 16-bit inputs)
 ):
-    tile_id = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(0)
+    tile_id = tl.program_id(1)
     split = tl.program_id(2)
+    if not PURE_DECODE:
+        # Programs start in grid order: give the first ones the last (longest, causal) tiles, so the short
+        # ones fill in behind them instead of a long tile starting last.
+        tile_id = tl.num_programs(1) - 1 - tile_id
 
     # Find the request and the first query token of this tile.
     if PURE_DECODE:
@@ -338,7 +342,8 @@ def paged_attention(
     else:
         part_acc = part_ml = out  # unused
     part_ml_stride = num_tokens * num_heads * num_splits
-    _paged_attention_kernel[(num_q_tiles, num_kv_heads, num_splits)](
+    assert num_q_tiles < 65536, f"{num_q_tiles} query tiles: over the grid's y limit"
+    _paged_attention_kernel[(num_kv_heads, num_q_tiles, num_splits)](
         query,
         kv_cache,
         out,

@@ -332,7 +332,7 @@ def test_gpu_constrained_tokens_match_between_sync_and_async_with_cuda_graphs() 
             default_model(),
             dtype="float32",
             device="cuda",
-            gpu_memory_utilization=0.3,
+            kv_cache_memory_bytes=256 << 20,
             async_scheduling=async_scheduling,
         )
         assert llm.llm_engine.engine_core.runner.graph_runner is not None
