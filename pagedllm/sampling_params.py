@@ -41,15 +41,21 @@ class StructuredOutputsParams:
             )
         kind = given[0]
         if kind == "json" and not isinstance(self.json, (str, dict)):
-            raise ValueError(f"structured_outputs.json must be a JSON schema (dict or str), got {self.json!r}")
-        if kind in ("regex", "grammar") and not (isinstance(getattr(self, kind), str) and getattr(self, kind)):
+            raise ValueError(
+                f"structured_outputs.json must be a JSON schema (dict or str), got {self.json!r}"
+            )
+        if kind in ("regex", "grammar") and not (
+            isinstance(getattr(self, kind), str) and getattr(self, kind)
+        ):
             raise ValueError(f"structured_outputs.{kind} must be a non-empty string")
         if kind == "choice" and not (
             isinstance(self.choice, (list, tuple))
             and self.choice
             and all(isinstance(c, str) and c for c in self.choice)
         ):
-            raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}")
+            raise ValueError(
+                f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}"
+            )
         if kind == "json_object" and self.json_object is not True:
             raise ValueError("structured_outputs.json_object must be true")
         if kind == "choice":
@@ -129,7 +135,9 @@ class SamplingParams:
             if self.structured_outputs is not None:
                 raise ValueError("set structured_outputs or guided_decoding, not both")
             self.structured_outputs, self.guided_decoding = self.guided_decoding, None
-        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
             if not isinstance(self.structured_outputs, dict):
                 raise ValueError(
                     f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r}"

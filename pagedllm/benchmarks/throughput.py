@@ -4,12 +4,20 @@ All prompts are handed to the engine at once (random token ids, ``ignore_eos``),
 ``generate`` only. requests/s = N / elapsed; total tokens/s = (prompt + output tokens) / elapsed;
 output tokens/s = output tokens / elapsed. ``--backend hf`` runs the same prompts through transformers'
 ``generate`` in static batches of ``--hf-max-batch-size`` (left-padded), on the same device and dtype.
+
+``--json-schema`` constrains every request to a JSON schema (structured outputs): the cost of constraining is
+the difference to the same command without it. ``default`` is a list of at least 100,000 records, which no
+benchmark output length completes, so every request still produces its full output length (a grammar that has
+terminated no longer masks its row, which with ``ignore_eos`` would let the rest of the output run free). The
+grammar compiles during the warm-up, outside the timer (one schema for all requests: compiled once, cached).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -17,6 +25,28 @@ import numpy as np
 
 from pagedllm.benchmarks.datasets import SampleRequest, random_token_prompts
 from pagedllm.engine.arg_utils import add_engine_args, engine_kwargs_from_args, resolve_model_arg
+
+# `--json-schema default`: records with a bounded integer, a string and an array of enum strings (per-token
+# grammar work of a realistic schema), and so many of them that no output length completes the value. No
+# maxLength: xgrammar 0.2.8 fills masks inside a length-limited string 25-170x slower on a 152k vocabulary
+# (measured; docs/benchmarks.md), a cost of that keyword, not of constraining.
+DEFAULT_JSON_SCHEMA: dict = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer", "minimum": 0, "maximum": 999999},
+            "name": {"type": "string"},
+            "tags": {
+                "type": "array",
+                "items": {"type": "string", "enum": ["red", "green", "blue"]},
+                "maxItems": 3,
+            },
+        },
+        "required": ["id", "name", "tags"],
+    },
+    "minItems": 100000,
+}
 
 
 @dataclass
@@ -29,6 +59,53 @@ class ThroughputResult:
     output_tokens_per_s: float
     num_prompt_tokens: int
     num_output_tokens: int
+    structured_outputs: str | None = None  # "json schema NAME" when every request was constrained, else None
+
+
+def load_json_schema(value: str) -> tuple[str, dict]:
+    """``--json-schema``'s value -> (name, schema): ``default`` (``DEFAULT_JSON_SCHEMA``), a path to a JSON file
+    (named by its path) or the schema's JSON text ("custom"). ``ValueError`` naming the flag if it is none of
+    these, or a schema xgrammar cannot compile."""
+    if value == "default":
+        name, schema = "default", DEFAULT_JSON_SCHEMA
+    else:
+        if value.lstrip().startswith("{"):
+            name, text, what = "custom", value, "the value"
+        elif os.path.isfile(value):
+            try:
+                with open(value) as f:
+                    text = f.read()
+            except OSError as e:
+                raise ValueError(f"--json-schema: cannot read {value}: {e.strerror or e}") from None
+            name, what = value, f"the file {value}"
+        else:
+            raise ValueError(
+                f"--json-schema: {value!r} is not 'default', an existing .json file or a JSON schema ({{...}})"
+            )
+        try:
+            schema = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--json-schema: {what} is not valid JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"--json-schema: a JSON schema is an object, got {type(schema).__name__}")
+    from pagedllm.sampling_params import StructuredOutputsParams
+    from pagedllm.structured_output.grammar import validate_structured_outputs
+
+    try:
+        validate_structured_outputs(StructuredOutputsParams(json=schema))
+    except ValueError as e:
+        raise ValueError(f"--json-schema: {e}") from None
+    return name, schema
+
+
+def _json_schema_arg(value: str) -> str:
+    """argparse type of ``--json-schema``: checks the value now (a clear usage error before the model loads)."""
+    try:
+        load_json_schema(value)
+    except ValueError as e:
+        # argparse puts "argument --json-schema:" in front itself.
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--json-schema: ")) from None
+    return value
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -47,6 +124,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--hf-max-batch-size", type=int, default=128)
     parser.add_argument("--output-json", default=None)
+    parser.add_argument(
+        "--json-schema",
+        default=None,
+        type=_json_schema_arg,
+        metavar="SCHEMA",
+        help="constrain every request to a JSON schema (structured outputs): 'default' (a list of records no "
+        "output length completes), a path to a .json file, or the schema's JSON text",
+    )
     parser.add_argument(
         "--profile-steps",
         action="store_true",
@@ -70,32 +155,65 @@ def make_requests(args: argparse.Namespace, vocab_size: int) -> list[SampleReque
 
 
 def run_pagedllm(args: argparse.Namespace, temperature: float) -> ThroughputResult:
-    from pagedllm import LLM, SamplingParams
+    return run_pagedllm_outputs(args, temperature)[0]
+
+
+def run_pagedllm_outputs(args: argparse.Namespace, temperature: float) -> tuple[ThroughputResult, list]:
+    """The timed run, and its ``RequestOutput``s (token ids only: the benchmark does not detokenize)."""
+    from pagedllm import LLM, SamplingParams, StructuredOutputsParams
 
     llm = LLM(resolve_model_arg(args), **engine_kwargs_from_args_for_llm(args))
     vocab = llm.llm_engine.engine_core.vocab_size
     reqs = make_requests(args, vocab)
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
+    schema_name, structured = None, None
+    if getattr(args, "json_schema", None) is not None:
+        schema_name, schema = load_json_schema(args.json_schema)
+        structured = StructuredOutputsParams(json=schema)
     params = [
         SamplingParams(
-            temperature=temperature, max_tokens=r.expected_output_len, ignore_eos=True, detokenize=False
+            temperature=temperature,
+            max_tokens=r.expected_output_len,
+            ignore_eos=True,
+            detokenize=False,
+            structured_outputs=structured,
         )
         for r in reqs
     ]
-    # Warm-up (kernel compilation, allocator) outside the timer.
+    # Warm-up (kernel compilation, allocator, the grammar's compilation) outside the timer.
     llm.generate(prompts[:2], params[:2], use_tqdm=False)
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - start
     n_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
     n_in = sum(len(o.prompt_token_ids) for o in outs)
+    _warn_short_outputs(reqs, outs)
     if getattr(args, "profile_steps", False):
         from pagedllm.benchmarks.step_profile import StepProfiler, format_report
 
         profiler = StepProfiler(llm.llm_engine)  # a second, untimed pass over the same requests
         llm.generate(prompts, params, use_tqdm=False)
         print(format_report(profiler.stop()))
-    return _result("pagedllm", len(reqs), elapsed, n_in, n_out)
+    result = _result("pagedllm", len(reqs), elapsed, n_in, n_out)
+    if schema_name is not None:
+        result.structured_outputs = f"json schema {schema_name}"
+    return result, outs
+
+
+def _warn_short_outputs(reqs: list[SampleRequest], outs: list) -> None:
+    """Say so when requests produced fewer tokens than asked (``ignore_eos`` should prevent it; a grammar that
+    rejected a token aborts its request)."""
+    short: dict[str, int] = {}
+    for r, o in zip(reqs, outs):
+        for c in o.outputs:
+            if len(c.token_ids) < r.expected_output_len:
+                short[str(c.finish_reason)] = short.get(str(c.finish_reason), 0) + 1
+    if short:
+        reasons = ", ".join(f"{n} {why}" for why, n in sorted(short.items()))
+        print(
+            f"WARNING: {sum(short.values())} outputs are shorter than asked (finish reasons: {reasons})",
+            file=sys.stderr,
+        )
 
 
 def engine_kwargs_from_args_for_llm(args: argparse.Namespace) -> dict:
@@ -167,9 +285,13 @@ def _result(backend: str, n: int, elapsed: float, n_in: int, n_out: int) -> Thro
 
 def main(args: argparse.Namespace) -> int:
     temperature = 0.6 if args.workload == "nanovllm" else args.temperature
+    if args.backend == "hf" and getattr(args, "json_schema", None) is not None:
+        print("error: --json-schema needs --backend pagedllm", file=sys.stderr)
+        return 2
     result = run_hf(args, temperature) if args.backend == "hf" else run_pagedllm(args, temperature)
+    what = result.backend + (f", {result.structured_outputs}" if result.structured_outputs else "")
     print(
-        f"Throughput ({result.backend}): {result.requests_per_s:.2f} requests/s, "
+        f"Throughput ({what}): {result.requests_per_s:.2f} requests/s, "
         f"{result.total_tokens_per_s:.2f} total tokens/s, {result.output_tokens_per_s:.2f} output tokens/s "
         f"({result.num_requests} requests, {result.num_prompt_tokens} prompt + {result.num_output_tokens} "
         f"output tokens in {result.elapsed_s:.2f} s)"

@@ -40,7 +40,10 @@ def build_grammar(params: StructuredOutputsParams) -> Any:
     any_whitespace = not params.disable_any_whitespace
     # JSON may hold whitespace between tokens, but at most this much in a row: valid JSON still, and a model
     # cannot spend its whole budget on newlines (small models do).
-    ws = {"any_whitespace": any_whitespace, "max_whitespace_cnt": MAX_JSON_WHITESPACE if any_whitespace else None}
+    ws = {
+        "any_whitespace": any_whitespace,
+        "max_whitespace_cnt": MAX_JSON_WHITESPACE if any_whitespace else None,
+    }
     try:
         if kind == "json":
             schema = params.json
@@ -65,7 +68,9 @@ def build_grammar(params: StructuredOutputsParams) -> Any:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         msg = msg.split("] ", 1)[-1]  # drop "[time] file.cc:line: "
         msg = msg.split(": ", 1)[-1] if ".cc:" in msg else msg
-        raise ValueError(f"structured_outputs.{kind} cannot be used for constrained decoding: {msg}") from None
+        raise ValueError(
+            f"structured_outputs.{kind} cannot be used for constrained decoding: {msg}"
+        ) from None
 
 
 # xgrammar (0.2.8) writes a string with minLength/maxLength as repetitions of [^"\\\r\n], which admits raw
@@ -82,6 +87,16 @@ def _fix_length_limited_strings(grammar: Any) -> Any:
     return _xgr().Grammar.from_ebnf(text.replace(_LOOSE_STRING_CHAR, _STRICT_STRING_CHAR))
 
 
+_VALIDATED: dict[tuple, bool] = {}  # keys of constraints that built, so a repeated schema is checked once
+_VALIDATED_MAX = 1024
+
+
 def validate_structured_outputs(params: StructuredOutputsParams) -> None:
-    """Raise ``ValueError`` naming the field if ``params`` cannot be compiled."""
+    """Raise ``ValueError`` naming the field if ``params`` cannot be compiled (remembered for good ones)."""
+    key = params.key()
+    if key in _VALIDATED:
+        return
     build_grammar(params)
+    if len(_VALIDATED) >= _VALIDATED_MAX:
+        _VALIDATED.clear()
+    _VALIDATED[key] = True

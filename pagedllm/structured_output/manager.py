@@ -10,7 +10,9 @@ Data flow (see engine_core.py):
 
 A ``GrammarState`` belongs to one request. With a reasoning parser the grammar applies only after the reasoning
 ends (the end marker, e.g. ``</think>``, in the prompt after the last start marker, or generated).
-``rollback`` undoes accepted tokens (speculative decoding's rejected drafts).
+``rollback`` undoes accepted tokens (speculative decoding's rejected drafts). Preemption needs no rollback: a
+preempted request keeps its generated tokens (it is recomputed, not restarted), and a token sampled by a step
+in flight when it was preempted is still accepted; so the matcher always matches the request's output.
 """
 
 from __future__ import annotations

@@ -344,3 +344,27 @@ def test_gpu_constrained_tokens_match_between_sync_and_async_with_cuda_graphs() 
         del llm
         torch.cuda.empty_cache()
     assert tokens[0] == tokens[1]
+
+
+def test_a_grammar_that_fails_in_the_engine_aborts_only_its_request(monkeypatch) -> None:
+    """The front-end validated the constraint, yet the engine's compile fails: that request ends with
+    finish_reason "abort", the others complete, and no block leaks."""
+    engine = LLMEngine.from_kwargs(default_model(), dtype="float32", device="cpu")
+
+    def failing_compile(self, params):
+        raise RuntimeError("compiler exploded")
+
+    monkeypatch.setattr(StructuredOutputManager, "_compile", failing_compile)
+    engine.add_request("bad", PROMPT, _so(choice=CHOICES))
+    engine.add_request("plain", "def f():", SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert finished["bad"].outputs[0].finish_reason == "abort" and finished["bad"].outputs[0].token_ids == []
+    assert len(finished["plain"].outputs[0].token_ids) == 6
+    core = engine.engine_core
+    core.check_integrity()
+    assert core.scheduler.num_grammar_reqs == 0
+    assert core.kv_cache_manager.num_free_blocks == core.kv_cache_manager.pool.num_blocks
