@@ -95,8 +95,9 @@ class ModelConfig:
         elif not isinstance(self.max_model_len, int) or self.max_model_len < 1:
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
         elif self.max_model_len > derived:
+            why = " (its sliding window: not implemented yet)" if derived == self.sliding_window else ""
             raise ValueError(
-                f"max_model_len ({self.max_model_len}) is larger than the model's maximum context ({derived})"
+                f"max_model_len ({self.max_model_len}) is larger than the model's maximum context ({derived}){why}"
             )
         if self.served_model_name is None:
             self.served_model_name = self.model
@@ -122,7 +123,19 @@ class ModelConfig:
         return _DTYPES[dtype]
 
     def derived_max_model_len(self) -> int:
-        return int(getattr(self.hf_config, "max_position_embeddings", 2048) or 2048)
+        """The longest context served exactly: the model's positions, capped at its sliding window (attention
+        over a sliding window is not implemented yet: within the window it equals full attention)."""
+        limit = int(getattr(self.hf_config, "max_position_embeddings", 2048) or 2048)
+        window = self.sliding_window
+        return min(limit, window) if window else limit
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The attention window when the model uses one (Qwen2/3 configs carry one they do not use)."""
+        window = getattr(self.hf_config, "sliding_window", None)
+        if not window or getattr(self.hf_config, "use_sliding_window", True) is False:
+            return None
+        return int(window)
 
     @property
     def vocab_size(self) -> int:

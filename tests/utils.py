@@ -88,7 +88,7 @@ _CHAT_TEMPLATE = (
 )
 
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
-TINY_ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3")
+TINY_ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma", "phi3")
 
 
 @functools.lru_cache(maxsize=1)
@@ -134,7 +134,7 @@ def train_tiny_tokenizer() -> PreTrainedTokenizerFast:
 
 def _tiny_config(arch: str, vocab_size: int, bos_id: int, eos_id: int, pad_id: int, **overrides):
     import transformers
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import GemmaConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=vocab_size,
@@ -169,6 +169,14 @@ def _tiny_config(arch: str, vocab_size: int, bos_id: int, eos_id: int, pad_id: i
     elif arch == "qwen3":
         cls = Qwen3Config
         common["head_dim"] = 32  # != hidden_size / num_heads, as in real Qwen3 models
+    elif arch == "gemma":
+        cls = GemmaConfig
+        common["head_dim"] = 32  # Gemma's head_dim is its own (256 in the real models)
+        common["hidden_act"] = common["hidden_activation"] = "gelu_pytorch_tanh"
+        common["tie_word_embeddings"] = True  # as every Gemma checkpoint
+    elif arch == "phi3":
+        cls = Phi3Config  # checkpoints hold fused qkv_proj and gate_up_proj
+        common["sliding_window"] = 256  # < max_position_embeddings: the engine caps max_model_len there
     else:
         raise ValueError(f"unknown tiny arch {arch!r}; choose from {TINY_ARCHS}")
     if int(transformers.__version__.split(".")[0]) >= 5:

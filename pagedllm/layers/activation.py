@@ -21,8 +21,18 @@ class SiluAndMul(nn.Module):
         return F.silu(gate) * up
 
 
+class GeluTanhAndMul(nn.Module):
+    """``gelu_tanh(gate) * up`` (GeGLU with the tanh approximation, Gemma's MLP)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., 2 * d] -> [..., d]
+        gate, up = x.chunk(2, dim=-1)  # [..., d] each
+        return F.gelu(gate, approximate="tanh") * up
+
+
 def get_act_and_mul(hidden_act: str) -> nn.Module:
-    """The gated activation for an HF ``hidden_act`` name (only SiLU/SwiGLU is used by supported models)."""
+    """The gated activation for an HF ``hidden_act`` name."""
     if hidden_act in ("silu", "swish"):
         return SiluAndMul()
-    raise ValueError(f"unsupported hidden_act {hidden_act!r}; supported: 'silu'")
+    if hidden_act in ("gelu_pytorch_tanh", "gelu_tanh"):
+        return GeluTanhAndMul()
+    raise ValueError(f"unsupported hidden_act {hidden_act!r}; supported: 'silu', 'gelu_pytorch_tanh'")

@@ -19,6 +19,11 @@ def rope_config(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
     params = getattr(hf_config, "rope_parameters", None)
     if not params:
         params = dict(getattr(hf_config, "rope_scaling", None) or {})
+    partial = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None))
+    if partial is not None and float(partial) != 1.0:
+        raise ValueError(
+            f"partial_rotary_factor={partial} (rotary on part of each head) is not supported yet"
+        )
     theta = float(params.get("rope_theta") or getattr(hf_config, "rope_theta", None) or 10000.0)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":

@@ -1,4 +1,4 @@
-"""Llama-family decoder models: Llama (2, 3, 3.1 rope scaling), Mistral, Qwen2 (= Llama + q/k/v bias).
+"""Llama-family decoder models: Llama (2, 3, 3.1 rope scaling), Mistral, Qwen2 (= Llama + q/k/v bias), Phi-3.
 
 Variants differ only in their attention block (``attention_cls``); everything else is shared.
 """
@@ -82,7 +82,8 @@ class LlamaMLP(nn.Module):
         bias = bool(getattr(config, "mlp_bias", False))
         inter = config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias)
-        self.act_fn = get_act_and_mul(config.hidden_act)
+        # Gemma names its activation hidden_activation (hidden_act is a legacy field there).
+        self.act_fn = get_act_and_mul(getattr(config, "hidden_activation", None) or config.hidden_act)
         self.down_proj = Linear(inter, config.hidden_size, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden_size] -> [T, hidden_size]
@@ -98,11 +99,12 @@ class LlamaDecoderLayer(nn.Module):
         attn_backend: AttentionBackend,
         rotary_emb: RotaryEmbedding,
         attention_cls: type[LlamaAttention],
+        norm_cls: type[RMSNorm] = RMSNorm,
     ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = norm_cls(config.hidden_size, config.rms_norm_eps)
         self.self_attn = attention_cls(config, layer_idx, attn_backend, rotary_emb)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = norm_cls(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
     def forward(
@@ -124,18 +126,21 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    norm_cls: type[RMSNorm] = RMSNorm
+
     def __init__(
         self, config: Any, attn_backend: AttentionBackend, attention_cls: type[LlamaAttention]
     ) -> None:
         super().__init__()
+        norm_cls = self.norm_cls
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         theta, rope_scaling = rope_config(config)
         rotary_emb = get_rope(head_dim_of(config), config.max_position_embeddings, theta, rope_scaling)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, attn_backend, rotary_emb, attention_cls)
+            LlamaDecoderLayer(config, i, attn_backend, rotary_emb, attention_cls, norm_cls)
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = norm_cls(config.hidden_size, config.rms_norm_eps)
 
     def forward(
         self,
@@ -144,16 +149,20 @@ class LlamaModel(nn.Module):
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden_size]
-        hidden = self.embed_tokens(input_ids)  # [T, hidden_size]
+        hidden = self.embed(input_ids)  # [T, hidden_size]
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden_size]
+        return self.embed_tokens(input_ids)
+
 
 class LlamaForCausalLM(nn.Module):
     attention_cls: type[LlamaAttention] = LlamaAttention
+    model_cls: type[LlamaModel] = LlamaModel
     # fused parameter -> checkpoint modules stacked into it, in shard order
     packed_modules_mapping: dict[str, list[str]] = {
         "qkv_proj": ["q_proj", "k_proj", "v_proj"],
@@ -163,7 +172,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: Any, attn_backend: AttentionBackend) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, attn_backend, self.attention_cls)
+        self.model = self.model_cls(config, attn_backend, self.attention_cls)
         tied = self.model.embed_tokens if getattr(config, "tie_word_embeddings", False) else None
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied)
 
@@ -186,3 +195,8 @@ class MistralForCausalLM(LlamaForCausalLM):
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     attention_cls = Qwen2Attention
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3: the Llama layout, with qkv_proj and gate_up_proj already fused in the checkpoint (the loader
+    copies fused tensors whole). A sliding window caps max_model_len (see ModelConfig)."""

@@ -26,6 +26,8 @@ VARIANTS = {
     "mistral": ("mistral", {}),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {}),
+    "gemma": ("gemma", {}),
+    "phi3": ("phi3", {}),
     "llama-tied": ("llama", {"tie_word_embeddings": True}),
     "qwen3-tied": ("qwen3", {"tie_word_embeddings": True}),
     "qwen2-sharded": ("qwen2", {"shard": True}),
@@ -272,3 +274,25 @@ def test_model_from_pickled_config_is_the_same(model_dir: str) -> None:
     torch.testing.assert_close(
         PagedRunner(plain, plain_config).step(prompt)[0], PagedRunner(model, model_config).step(prompt)[0]
     )
+
+
+def test_sliding_window_caps_max_model_len(tiny_model_dirs: dict[str, str], tmp_path: Path) -> None:
+    """Sliding-window attention is not implemented: a model that uses one is served up to its window only
+    (where full attention is the same), and asking for more is a ValueError naming max_model_len."""
+    phi3 = ModelConfig(model=tiny_model_dirs["phi3"])
+    assert phi3.sliding_window == 256 and phi3.max_model_len == 256
+    with pytest.raises(ValueError, match=r"max_model_len \(400\).*sliding window"):
+        ModelConfig(model=tiny_model_dirs["phi3"], max_model_len=400)
+    # Qwen2 configs carry a window they do not use (use_sliding_window false): no cap.
+    qwen2 = make_tiny_model("qwen2", tmp_path / "q", sliding_window=64, use_sliding_window=False)
+    assert ModelConfig(model=qwen2).max_model_len == 512
+
+
+def test_partial_rotary_is_refused(tmp_path: Path) -> None:
+    path = make_tiny_model(
+        "phi3",
+        tmp_path / "p",
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    )
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        load_ours(path)
