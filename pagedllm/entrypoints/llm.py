@@ -142,16 +142,26 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation or a list of them, then ``generate``."""
+        """Apply the tokenizer's chat template to one conversation or a list of them, then ``generate``.
+
+        ``tools`` (OpenAI-style function definitions) and ``chat_template_kwargs`` (``enable_thinking``...) reach
+        the template, as in vLLM. Calls the model writes stay in the text: the server's ``--tool-call-parser``
+        parses them, or ``structured_outputs`` forces a JSON shape.
+        """
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of messages or of conversations")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         ip = self.llm_engine.input_processor
         prompts = []
         for conv in conversations:
+            kwargs = dict(chat_template_kwargs or {})
+            if tools:
+                kwargs["tools"] = tools
             text = ip.apply_chat_template(
-                conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt
+                conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt, **kwargs
             )
             ids = self.llm_engine.tokenizer(text, add_special_tokens=False)["input_ids"]
             prompts.append({"prompt_token_ids": ids, "prompt": text})

@@ -368,3 +368,39 @@ def test_a_grammar_that_fails_in_the_engine_aborts_only_its_request(monkeypatch)
     core.check_integrity()
     assert core.scheduler.num_grammar_reqs == 0
     assert core.kv_cache_manager.num_free_blocks == core.kv_cache_manager.pool.num_blocks
+
+
+def test_llm_chat_passes_tools_and_template_kwargs(demo_llm: LLM) -> None:
+    """LLM.chat hands tools and chat_template_kwargs to the template (as vLLM's does); with a constraint the
+    reply is a valid call of the offered tool."""
+    template = (
+        "{% if tools %}TOOLS:{% for t in tools %} {{ t.function.name }}{% endfor %}.\n{% endif %}"
+        "{% if mode %}MODE: {{ mode }}\n{% endif %}"
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant: "
+    )
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "key": {"enum": ["a", "b"]},
+                    "n": {"type": "integer", "minimum": 0, "maximum": 9},
+                },
+                "required": ["key", "n"],
+            },
+        },
+    }
+    messages = [{"role": "user", "content": "look it up"}]
+    schema = tool["function"]["parameters"]
+    out = demo_llm.chat(
+        messages,
+        _so(json=schema, disable_any_whitespace=True),
+        use_tqdm=False,
+        chat_template=template,
+        tools=[tool],
+        chat_template_kwargs={"mode": "fast"},
+    )[0]
+    assert out.prompt == "TOOLS: lookup.\nMODE: fast\nuser: look it up\nassistant: "
+    jsonschema.validate(json.loads(out.outputs[0].text), schema)
