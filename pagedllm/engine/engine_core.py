@@ -64,6 +64,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
         self.async_scheduling = config.scheduler_config.async_scheduling
         self._in_flight: tuple[SchedulerOutput, StepInFlight] | None = None  # launched, not yet collected
+        self._pending_sample: tuple[StepInFlight, Any] | None = None  # launched; its bitmask is being filled
         self.vocab_size = config.model_config.vocab_size
         self.check_integrity_on_idle = config.check_integrity_on_idle
         self._idle_check_due = False  # work arrived since the last idle check
@@ -134,13 +135,23 @@ class EngineCore:
             )
         return self.structured
 
-    def _grammar_bitmask(self, step: StepInFlight):
-        """The step's bitmask (host tensor), or None when none of its sampling rows is constrained."""
+    def _grammar_states(self, step: StepInFlight) -> list | None:
         if self.structured is None or not step.sample_req_ids or not self.scheduler.num_grammar_reqs:
             return None
         requests = self.scheduler.requests
-        states = [getattr(requests.get(r), "grammar", None) for r in step.sample_req_ids]
-        return self.structured.grammar_bitmask(states)
+        return [getattr(requests.get(r), "grammar", None) for r in step.sample_req_ids]
+
+    def _grammar_bitmask(self, step: StepInFlight):
+        """The step's bitmask (host tensor), or None when none of its sampling rows is constrained."""
+        states = self._grammar_states(step)
+        return None if states is None else self.structured.grammar_bitmask(states)
+
+    def _complete_sample(self) -> None:
+        """Sample the launched step whose bitmask was being filled in the background (async scheduling)."""
+        if self._pending_sample is not None:
+            step, future = self._pending_sample
+            self._pending_sample = None
+            self.runner.sample(step, future.result())
 
     def _wait_for_grammars(self) -> None:
         """Nothing could be scheduled: if requests wait for their grammar, block briefly on the first of them
@@ -157,6 +168,7 @@ class EngineCore:
         """With no request left, the step in flight computes only for finished requests: nothing of it reaches
         anyone. Wait for it now, so the engine is idle (and the runner's batch consistent) at once."""
         if self._in_flight is not None and not self.scheduler.has_unfinished_requests():
+            self._complete_sample()
             self.runner.collect(self._in_flight[1])
             self._in_flight = None
 
@@ -181,7 +193,8 @@ class EngineCore:
         launched = None
         sample_later = False
         if self.scheduler.has_unfinished_requests():
-            sched = self.scheduler.schedule()
+            sched = self.scheduler.schedule()  # overlaps the previous step's bitmask fill, if one is running
+            self._complete_sample()
             if sched.total_num_scheduled_tokens == 0:
                 self._wait_for_grammars()
             step = self.runner.launch(sched)
@@ -189,13 +202,20 @@ class EngineCore:
             if not sample_later:
                 self.runner.sample(step)
             launched = (sched, step)
+        self._complete_sample()
         prev, self._in_flight = self._in_flight, launched
         if prev is None:
             outputs = EngineCoreOutputs(stats=self.get_stats(), timestamp=time.monotonic())
         else:
             outputs = self.scheduler.update_from_output(prev[0], self.runner.collect(prev[1]))
         if sample_later:
-            self.runner.sample(launched[1], self._grammar_bitmask(launched[1]))
+            # The matchers now know the previous step's tokens: fill this step's bitmask in the background while
+            # the outputs go out and the next step is scheduled; the next step() samples before it launches.
+            states = self._grammar_states(launched[1])
+            if states is None:
+                self.runner.sample(launched[1])
+            else:
+                self._pending_sample = (launched[1], self.structured.grammar_bitmask_async(states))
         self._drain_if_idle()
         return self._finish_outputs(outputs)
 
@@ -273,6 +293,7 @@ class EngineCore:
         return self.kv_cache_manager.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        self._pending_sample = None
         self.runner.kv_caches = []
         if self.structured is not None:
             self.structured.shutdown()

@@ -135,7 +135,8 @@ class StructuredOutputManager:
         self._load_tokenizer = load_tokenizer
         self._reasoning_markers = reasoning_markers
         self._pin_memory = pin_memory
-        self._executor: ThreadPoolExecutor | None = None
+        self._executor: ThreadPoolExecutor | None = None  # compiles
+        self._fill_executor: ThreadPoolExecutor | None = None  # bitmask fills (grammar_bitmask_async)
         self._lock = threading.Lock()
         self._compiler: Any = None
         self._marker_ids: tuple[list[int], list[int]] = ([], [])
@@ -195,8 +196,24 @@ class StructuredOutputManager:
         rows = [i for i, s in enumerate(states) if s is not None and s.active]
         if not rows:
             return None
-        n = len(states)
-        buf = self._buffer(n)
+        return self._fill(states, rows, self._buffer(len(states)))
+
+    def grammar_bitmask_async(self, states: Sequence[GrammarState | None]) -> Future:
+        """``grammar_bitmask`` in a worker thread (xgrammar releases the GIL while it fills), so the caller can
+        schedule the next step meanwhile. Nothing may advance these matchers until the future is done."""
+        rows = [i for i, s in enumerate(states) if s is not None and s.active]
+        if not rows:
+            done: Future = Future()
+            done.set_result(None)
+            return done
+        buf = self._buffer(len(states))  # chosen here, on the caller's thread (the alternation is not locked)
+        if self._fill_executor is None:
+            self._fill_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-bitmask")
+        return self._fill_executor.submit(self._fill, states, rows, buf)
+
+    def _fill(
+        self, states: Sequence[GrammarState | None], rows: list[int], buf: torch.Tensor
+    ) -> torch.Tensor:
         buf.fill_(-1)
         if len(rows) >= _BATCH_FILL_MIN_ROWS:
             if self._batch_matcher is None:
@@ -221,5 +238,6 @@ class StructuredOutputManager:
         return buf[:n]
 
     def shutdown(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+        for executor in (self._executor, self._fill_executor):
+            if executor is not None:
+                executor.shutdown(wait=False, cancel_futures=True)
