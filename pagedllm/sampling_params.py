@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,11 +69,9 @@ class StructuredOutputsParams:
 
     def key(self) -> tuple[str, str, bool]:
         """A hashable identity of the constraint (equal keys compile to the same grammar)."""
-        import json as _json
-
         value = getattr(self, self.kind)
         if isinstance(value, (dict, list)):
-            value = _json.dumps(value, sort_keys=True, ensure_ascii=False)
+            value = json.dumps(value, sort_keys=True, ensure_ascii=False)
         return (self.kind, str(value), self.disable_any_whitespace)
 
 

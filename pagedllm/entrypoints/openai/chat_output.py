@@ -19,11 +19,10 @@ from typing import Any
 from pagedllm.entrypoints.openai.constraints import (
     ToolPlan,
     calls_from_constrained_output,
-    new_tool_call_id,
     tool_call_dict,
 )
 from pagedllm.entrypoints.openai.reasoning_parsers.base import ReasoningParser
-from pagedllm.entrypoints.openai.tool_parsers.base import ToolCall, ToolParser
+from pagedllm.entrypoints.openai.tool_parsers.base import ToolCall, ToolParser, random_tool_call_id
 
 
 def _delta_call(index: int, call_id: str | None, name: str | None, arguments: str) -> dict[str, Any]:
@@ -127,7 +126,7 @@ class ChatOutput:
         elif self.plan.mode == "named":
             if self._named_id is None:  # nothing generated: still one call, with empty arguments
                 out.setdefault("tool_calls", []).append(
-                    _delta_call(0, new_tool_call_id(), self.plan.named, "")
+                    _delta_call(0, random_tool_call_id(), self.plan.named, "")
                 )
             self.called = True
         return out, self._finish_reason(self.called, finish_reason)
@@ -144,7 +143,7 @@ class ChatOutput:
             self._content += content
             calls = out.setdefault("tool_calls", [])
             if self._named_id is None:
-                self._named_id = new_tool_call_id()
+                self._named_id = random_tool_call_id()
                 calls.append(_delta_call(0, self._named_id, self.plan.named, ""))
             calls.append(_delta_call(0, None, None, content))
         elif mode == "required":

@@ -11,13 +11,13 @@ constraint, so the output is always valid calls, whatever the model.
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request
-from pagedllm.entrypoints.openai.tool_parsers.base import ToolCall
+from pagedllm.entrypoints.openai.errors import bad_request
+from pagedllm.entrypoints.openai.tool_parsers.base import ToolCall, random_tool_call_id
 from pagedllm.sampling_params import StructuredOutputsParams
 
 _GUIDED = {
@@ -55,7 +55,7 @@ def structured_outputs_from_request(req: Any) -> StructuredOutputsParams | None:
     if so is not None:
         if not isinstance(so, dict):
             raise bad_request("structured_outputs must be an object", "structured_outputs")
-        known = {"json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace"}
+        known = {f.name for f in dataclasses.fields(StructuredOutputsParams)}
         unknown = sorted(set(so) - known)
         if unknown:
             raise bad_request(f"structured_outputs: unsupported keys {unknown}", "structured_outputs")
@@ -167,21 +167,17 @@ def required_schema(parameters: dict[str, dict[str, Any]], parallel: bool | None
     return schema
 
 
-def new_tool_call_id() -> str:
-    return "chatcmpl-tool-" + uuid.uuid4().hex[:24]
-
-
 def calls_from_constrained_output(plan: ToolPlan, text: str) -> list[ToolCall] | None:
     """The calls in a "required" / "named" output. A named call's arguments are the text as generated (what
     streaming sends piece by piece); a "required" list cut short (not valid JSON) gives None."""
     if plan.mode == "named":
-        return [ToolCall(new_tool_call_id(), plan.named, text)]
+        return [ToolCall(random_tool_call_id(), plan.named, text)]
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
         return None
     return [
-        ToolCall(new_tool_call_id(), call["name"], json.dumps(call["arguments"], ensure_ascii=False))
+        ToolCall(random_tool_call_id(), call["name"], json.dumps(call["arguments"], ensure_ascii=False))
         for call in value
     ]
 
@@ -192,8 +188,7 @@ def tool_call_dict(call: ToolCall) -> dict[str, Any]:
 
 def check_no_conflict(plan: ToolPlan, constraint: StructuredOutputsParams | None) -> None:
     if plan.constraint is not None and constraint is not None:
-        raise OpenAIError(
+        raise bad_request(
             'tool_choice "required" or a named function cannot be combined with another output constraint',
-            status_code=400,
-            param="tool_choice",
+            "tool_choice",
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pagedllm.entrypoints.openai.reasoning_parsers.base import ReasoningParser
 from pagedllm.entrypoints.openai.reasoning_parsers.deepseek_r1 import DeepSeekR1ReasoningParser
 from pagedllm.entrypoints.openai.reasoning_parsers.qwen3 import Qwen3ReasoningParser
+from pagedllm.entrypoints.openai.tool_parsers.base import lookup_parser
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     cls.name: cls for cls in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser)
@@ -13,11 +14,7 @@ REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
 
 def get_reasoning_parser(name: str) -> type[ReasoningParser]:
     """The parser class registered as ``name``; ValueError naming the valid names otherwise."""
-    try:
-        return REASONING_PARSERS[name]
-    except KeyError:
-        valid = ", ".join(sorted(REASONING_PARSERS))
-        raise ValueError(f"unknown reasoning parser {name!r}; valid names: {valid}") from None
+    return lookup_parser(REASONING_PARSERS, name, "reasoning parser")
 
 
 __all__ = [

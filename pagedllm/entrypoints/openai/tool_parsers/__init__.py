@@ -8,6 +8,7 @@ from pagedllm.entrypoints.openai.tool_parsers.base import (
     ToolCall,
     ToolCallDelta,
     ToolParser,
+    lookup_parser,
 )
 from pagedllm.entrypoints.openai.tool_parsers.hermes import HermesToolParser
 from pagedllm.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
@@ -21,11 +22,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
 
 def get_tool_parser(name: str) -> type[ToolParser]:
     """The parser class registered as ``name``; ValueError naming the valid names otherwise."""
-    try:
-        return TOOL_PARSERS[name]
-    except KeyError:
-        valid = ", ".join(sorted(TOOL_PARSERS))
-        raise ValueError(f"unknown tool call parser {name!r}; valid names: {valid}") from None
+    return lookup_parser(TOOL_PARSERS, name, "tool call parser")
 
 
 __all__ = [

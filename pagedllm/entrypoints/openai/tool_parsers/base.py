@@ -59,6 +59,15 @@ class DeltaMessage:
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
 
+def lookup_parser(registry: dict[str, Any], name: str, what: str) -> Any:
+    """``registry[name]``; ValueError naming the valid names otherwise (``what``: "tool call parser"...)."""
+    try:
+        return registry[name]
+    except KeyError:
+        valid = ", ".join(sorted(registry))
+        raise ValueError(f"unknown {what} {name!r}; valid names: {valid}") from None
+
+
 def random_tool_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex[:24]}"
 
