@@ -1,12 +1,14 @@
 """Where an engine step's time goes: host time per phase and the GPU's busy fraction (``bench throughput
 --profile-steps``).
 
-Wraps one ``EngineCore``'s phases with timers: ``schedule``, ``launch`` (input preparation, sampling metadata and
-the kernel launches of ``execute_model_async``), ``wait`` (blocked in ``collect`` for the device to finish a step:
-large means the GPU is the bottleneck), ``update`` (``update_from_output``) and the rest of each engine step
-(front-end output processing). On CUDA a pair of events brackets each launched step; the GPU is "busy" from the
-start event (which fires once the previous work is done) to the end event, so the busy fraction is the sum of
-those intervals over the wall time (it counts gaps while the host is still launching a step as busy).
+Wraps one ``EngineCore``'s phases with timers: ``schedule``, ``launch`` (input preparation and the forward's
+kernel launches, ``ModelRunner.launch``), ``sample`` (sampling metadata and the sampler's launches), ``mask``
+(structured outputs: filling a step's token bitmask on the engine's thread), ``wait`` (blocked in ``collect`` for
+the device to finish a step: large means the GPU is the bottleneck), ``update`` (``update_from_output``) and the
+rest of each engine step (front-end output processing; with async scheduling, waiting for a bitmask filled in the
+background). On CUDA an event before each launch and one after its sampling bracket the step; the GPU is "busy"
+from the start event (which fires once the previous work is done) to the end event, so the busy fraction is the
+sum of those intervals over the wall time (it counts gaps while the host is still launching a step as busy).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from collections import defaultdict
 from typing import Any
 
 import torch
+
+_PHASES = ("schedule", "launch", "sample", "mask", "wait", "update")
 
 
 class StepProfiler:
@@ -28,30 +32,34 @@ class StepProfiler:
         self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.cuda = core.runner.device.type == "cuda"
         self._originals: list[tuple[Any, str, Any]] = []
+        self._open_event: torch.cuda.Event | None = None  # recorded before a launch, until its sampling
         self._wrap(core.scheduler, "schedule", "schedule")
         self._wrap(core.scheduler, "update_from_output", "update")
         self._wrap(core.runner, "collect", "wait")
-        self._wrap(core.runner, "execute_model_async", "launch", events=True)
+        self._wrap(core.runner, "launch", "launch", event="start")
+        self._wrap(core.runner, "sample", "sample", event="end")
+        self._wrap(core, "_grammar_bitmask", "mask")
         self._wrap(llm_engine, "step", "engine_step")
         self.start = time.perf_counter()
 
-    def _wrap(self, obj: Any, name: str, key: str, events: bool = False) -> None:
+    def _wrap(self, obj: Any, name: str, key: str, event: str | None = None) -> None:
         fn = getattr(obj, name)
         host = self.host
 
         def timed(*args, **kwargs):
-            start_ev = end_ev = None
-            if events and self.cuda:
-                start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start_ev.record()
+            if event == "start" and self.cuda:
+                self._open_event = torch.cuda.Event(enable_timing=True)
+                self._open_event.record()
             t0 = time.perf_counter()
             out = fn(*args, **kwargs)
             host[key] += time.perf_counter() - t0
             if key == "engine_step":
                 self.num_steps += 1
-            if end_ev is not None:
+            if event == "end" and self._open_event is not None:
+                end_ev = torch.cuda.Event(enable_timing=True)
                 end_ev.record()
-                self.events.append((start_ev, end_ev))
+                self.events.append((self._open_event, end_ev))
+                self._open_event = None
             return out
 
         self._originals.append((obj, name, fn))
@@ -64,9 +72,9 @@ class StepProfiler:
             delattr(obj, name)  # the instance attribute shadowed the class's method
         n = max(self.num_steps, 1)
         report = {"steps": self.num_steps, "wall_ms_per_step": 1e3 * wall / n}
-        for key in ("schedule", "launch", "wait", "update"):
+        for key in _PHASES:
             report[f"{key}_ms_per_step"] = 1e3 * self.host[key] / n
-        accounted = sum(self.host[k] for k in ("schedule", "launch", "wait", "update"))
+        accounted = sum(self.host[k] for k in _PHASES)
         report["other_ms_per_step"] = 1e3 * (self.host["engine_step"] - accounted) / n
         if self.cuda and self.events:
             torch.cuda.synchronize()
