@@ -259,6 +259,10 @@ def make_engine_config(
     reasoning_parser: str | None = None,
 ) -> EngineConfig:
     """Build every config from vLLM-named keyword arguments (what ``LLM(...)`` and ``pagedllm serve`` take)."""
+    if reasoning_parser is not None:
+        from pagedllm.entrypoints.openai.reasoning_parsers import get_reasoning_parser
+
+        get_reasoning_parser(reasoning_parser)  # ValueError naming the valid ones
     device_config = DeviceConfig(device)
     model_config = ModelConfig(
         model=model,

@@ -404,3 +404,21 @@ def test_llm_chat_passes_tools_and_template_kwargs(demo_llm: LLM) -> None:
     )[0]
     assert out.prompt == "TOOLS: lookup.\nMODE: fast\nuser: look it up\nassistant: "
     jsonschema.validate(json.loads(out.outputs[0].text), schema)
+
+
+def test_llm_reasoning_parser_defers_the_grammar() -> None:
+    """LLM(reasoning_parser=...): while the reasoning is open (no </think> yet) the output is free, so a
+    constrained greedy request gives the unconstrained tokens; an unknown parser name is a ValueError."""
+    with pytest.raises(ValueError, match="reasoning parser 'nope'"):
+        LLM(default_model(), dtype="float32", device="cpu", reasoning_parser="nope")
+    llm = LLM(default_model(), dtype="float32", device="cpu", reasoning_parser="deepseek_r1")
+    free = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    constrained = SamplingParams(
+        max_tokens=12,
+        temperature=0.0,
+        ignore_eos=True,
+        structured_outputs=StructuredOutputsParams(choice=CHOICES),
+    )
+    a, b = llm.generate(["<think>\nx = ", "<think>\nx = "], [free, constrained], use_tqdm=False)
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert b.outputs[0].text not in CHOICES
