@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {
     "float32": torch.float32,
@@ -204,6 +207,92 @@ class SchedulerConfig:
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
 
 
+SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+
+
+@dataclass
+class SpeculativeConfig:
+    """``speculative_config`` as vLLM takes it: ``{"method": "ngram", "num_speculative_tokens": k,
+    "prompt_lookup_max": 4, "prompt_lookup_min": 2}`` or ``{"model": DRAFT_DIR, "num_speculative_tokens": k}``
+    (method ``draft_model``, implied by ``model``) or ``{"method": "eagle" | "eagle3", "model": DIR, ...}``."""
+
+    num_speculative_tokens: int
+    method: str | None = None
+    model: str | None = None
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    draft_hf_config: Any = field(default=None, repr=False)  # the draft's HF config, read here once
+
+    @classmethod
+    def from_dict(cls, spec: dict[str, Any] | SpeculativeConfig) -> SpeculativeConfig:
+        if isinstance(spec, SpeculativeConfig):
+            return spec
+        if not isinstance(spec, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(spec).__name__}")
+        names = {"num_speculative_tokens", "method", "model", "prompt_lookup_max", "prompt_lookup_min"}
+        unknown = sorted(set(spec) - names)
+        if unknown:
+            raise ValueError(
+                f"speculative_config: unknown field(s) {', '.join(unknown)}; known: {sorted(names)}"
+            )
+        if "num_speculative_tokens" not in spec:
+            raise ValueError("speculative_config.num_speculative_tokens is required")
+        return cls(**spec)
+
+    def __post_init__(self) -> None:
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be an integer >= 1, got {k!r}")
+        if self.method is None:
+            if self.model is None:
+                methods = ", ".join(SPEC_METHODS)
+                raise ValueError(
+                    f"speculative_config.method is required (one of {methods}) unless model is given"
+                )
+            self.method = "draft_model"
+        if self.method not in SPEC_METHODS:
+            raise ValueError(
+                f"speculative_config.method must be one of {', '.join(SPEC_METHODS)}, got {self.method!r}"
+            )
+        if self.method == "ngram":
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            if lo is None and hi is None:
+                lo = hi = 5
+            lo = hi if lo is None else lo
+            hi = lo if hi is None else hi
+            for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                    raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {v!r}")
+            if hi < lo:
+                raise ValueError(
+                    f"speculative_config.prompt_lookup_max ({hi}) must be >= prompt_lookup_min ({lo})"
+                )
+            self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
+            if self.model is not None:
+                raise ValueError("speculative_config.model is not used with method 'ngram'")
+        else:
+            if self.model is None:
+                raise ValueError(f"speculative_config.model is required with method {self.method!r}")
+            if not os.path.isdir(self.model) or not os.path.isfile(os.path.join(self.model, "config.json")):
+                raise ValueError(
+                    f"speculative_config.model {self.model!r} is not a model directory with a config.json"
+                )
+
+    def check_target(self, target: ModelConfig) -> None:
+        """Read the draft's config and check it can serve ``target`` (``ValueError`` naming the field)."""
+        if self.method == "ngram":
+            return
+        from transformers import AutoConfig
+
+        self.draft_hf_config = PlainHFConfig(AutoConfig.from_pretrained(self.model).to_dict())
+        vocab = getattr(self.draft_hf_config, "vocab_size", None)
+        if self.method == "draft_model" and vocab != target.vocab_size:
+            raise ValueError(
+                f"speculative_config.model: the draft's vocab_size ({vocab}) differs from the target's "
+                f"({target.vocab_size}); a draft model must share the target's tokenizer"
+            )
+
+
 @dataclass
 class DeviceConfig:
     device: str | torch.device = "auto"
@@ -230,6 +319,7 @@ class EngineConfig:
     log_stats: bool = True
     check_integrity_on_idle: bool = True  # check the KV block pool each time the engine runs out of work
     reasoning_parser: str | None = None  # structured outputs then apply after the reasoning ends
+    speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
 
 
 def make_engine_config(
@@ -257,6 +347,7 @@ def make_engine_config(
     check_integrity_on_idle: bool = True,
     async_scheduling: bool | None = None,
     reasoning_parser: str | None = None,
+    speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
 ) -> EngineConfig:
     """Build every config from vLLM-named keyword arguments (what ``LLM(...)`` and ``pagedllm serve`` take)."""
     if reasoning_parser is not None:
@@ -264,6 +355,7 @@ def make_engine_config(
 
         get_reasoning_parser(reasoning_parser)  # ValueError naming the valid ones
     device_config = DeviceConfig(device)
+    spec = None if speculative_config is None else SpeculativeConfig.from_dict(speculative_config)
     model_config = ModelConfig(
         model=model,
         tokenizer=tokenizer,
@@ -299,6 +391,13 @@ def make_engine_config(
         if async_scheduling is None
         else async_scheduling,
     )
+    if spec is not None:
+        spec.check_target(model_config)
+        if scheduler_config.async_scheduling:
+            # Drafts are proposed from the tokens the last step accepted, so the host must know them first.
+            if async_scheduling:
+                logger.warning("async scheduling is not used with speculative decoding: turning it off")
+            scheduler_config.async_scheduling = False
     return EngineConfig(
         model_config=model_config,
         cache_config=cache_config,
@@ -308,4 +407,5 @@ def make_engine_config(
         attention_backend=attention_backend,
         check_integrity_on_idle=check_integrity_on_idle,
         reasoning_parser=reasoning_parser,
+        speculative_config=spec,
     )

@@ -87,6 +87,17 @@ class PrometheusStatLogger:
             "Arrival to first scheduled (waiting in the queue).",
             _REQUEST_BUCKETS,
         )
+        self.spec_num_drafts = counter(
+            "spec_decode_num_drafts", "Verification steps with drafts, per request."
+        )
+        self.spec_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self._spec_per_pos = Counter(
+            "pagedllm:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft (0 = first).",
+            ["model_name", "position"],
+            registry=r,
+        )
         self._last_cumulative: dict[str, int] = {}
         self.model_name = model_name
 
@@ -105,6 +116,15 @@ class PrometheusStatLogger:
         self._advance(self.prefix_cache_hits, "prefix_cache_hits", stats.prefix_cache_hits)
         self._advance(self.num_preemptions, "num_preemptions", stats.num_preemptions)
         self._advance(self.integrity_check_failures, "num_integrity_failures", stats.num_integrity_failures)
+        if stats.spec_num_drafts or "spec_num_drafts" in self._last_cumulative:
+            self._advance(self.spec_num_drafts, "spec_num_drafts", stats.spec_num_drafts)
+            self._advance(self.spec_num_draft_tokens, "spec_num_draft_tokens", stats.spec_num_draft_tokens)
+            self._advance(
+                self.spec_num_accepted_tokens, "spec_num_accepted_tokens", stats.spec_num_accepted_tokens
+            )
+            for pos, total in enumerate(stats.spec_accepted_per_pos):
+                metric = self._spec_per_pos.labels(self.model_name, str(pos))
+                self._advance(metric, f"spec_accepted_pos_{pos}", total)
 
     def record_iteration_stats(self, stats: Any) -> None:
         if stats.num_prompt_tokens:
@@ -135,3 +155,66 @@ class PrometheusStatLogger:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def spec_decode_summary(stats: SchedulerStats, since: SchedulerStats | None = None) -> str | None:
+    """vLLM's speculative-decoding log line over the drafts between ``since`` and ``stats`` (None: no drafts).
+
+    Mean acceptance length is 1 + accepted drafts per verification (the tokens each verification emits)."""
+    drafts = stats.spec_num_drafts - (since.spec_num_drafts if since else 0)
+    if drafts <= 0:
+        return None
+    draft_tokens = stats.spec_num_draft_tokens - (since.spec_num_draft_tokens if since else 0)
+    accepted = stats.spec_num_accepted_tokens - (since.spec_num_accepted_tokens if since else 0)
+    before = since.spec_accepted_per_pos if since else []
+    per_pos = [
+        (n - (before[i] if i < len(before) else 0)) / drafts
+        for i, n in enumerate(stats.spec_accepted_per_pos)
+    ]
+    return (
+        f"SpecDecoding metrics: Mean acceptance length: {1 + accepted / drafts:.2f}, "
+        f"Accepted: {accepted} tokens, Drafted: {draft_tokens} tokens, "
+        f"Per-position acceptance rate: {', '.join(f'{r:.3f}' for r in per_pos)}, "
+        f"Avg Draft acceptance rate: {100 * accepted / max(draft_tokens, 1):.1f}%"
+    )
+
+
+class LoggingStatLogger:
+    """Logs a summary line every ``interval`` seconds while there is work (the engine's stats log)."""
+
+    def __init__(self, interval: float = 10.0) -> None:
+        import logging
+        import time
+
+        self._logger = logging.getLogger("pagedllm.stats")
+        self._clock = time.monotonic
+        self.interval = interval
+        self._last_time = self._clock()
+        self._last: SchedulerStats | None = None
+
+    def __call__(self, scheduler_stats: SchedulerStats | None, iteration_stats: Any | None) -> None:
+        if scheduler_stats is None:
+            return
+        now = self._clock()
+        if now - self._last_time < self.interval:
+            return
+        last = self._last
+        s = scheduler_stats
+        gen = s.num_generation_tokens - (last.num_generation_tokens if last else 0)
+        prompt = s.num_prompt_tokens - (last.num_prompt_tokens if last else 0)
+        if gen or prompt or s.num_running_reqs or s.num_waiting_reqs:
+            dt = now - self._last_time
+            self._logger.info(
+                "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, Running: %d reqs, "
+                "Waiting: %d reqs, GPU KV cache usage: %.1f%%",
+                prompt / dt,
+                gen / dt,
+                s.num_running_reqs,
+                s.num_waiting_reqs,
+                100 * s.kv_cache_usage,
+            )
+            line = spec_decode_summary(s, last)
+            if line is not None:
+                self._logger.info("%s", line)
+        self._last_time = now
+        self._last = s

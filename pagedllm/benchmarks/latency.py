@@ -48,6 +48,7 @@ def _pagedllm_runner(args: argparse.Namespace):
         outs = llm.generate(prompts, params, use_tqdm=False)
         assert all(len(o.outputs[0].token_ids) == args.output_len for o in outs)
 
+    run.llm = llm  # the speculative-decoding summary reads its stats
     return run
 
 
@@ -83,6 +84,8 @@ def main(args: argparse.Namespace) -> int:
     run = _hf_runner(args) if args.backend == "hf" else _pagedllm_runner(args)
     for _ in range(args.num_iters_warmup):
         run()
+    llm = getattr(run, "llm", None)
+    stats_before = llm.llm_engine.get_stats() if llm is not None else None
     latencies = []
     for _ in range(args.num_iters):
         start = time.perf_counter()
@@ -95,11 +98,19 @@ def main(args: argparse.Namespace) -> int:
         f"p90 {np.percentile(lat, 90):.4f} s, p99 {np.percentile(lat, 99):.4f} s; "
         f"{out_tok_s:.1f} output tokens/s (batch {args.batch_size}, {args.input_len} in / {args.output_len} out)"
     )
+    spec = None
+    if llm is not None:
+        from pagedllm.metrics import spec_decode_summary
+
+        spec = spec_decode_summary(llm.llm_engine.get_stats(), stats_before)
+        if spec is not None:
+            print(spec)
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(
                 {
                     "backend": args.backend,
+                    "spec_decode": spec,
                     "avg_latency_s": float(lat.mean()),
                     "latencies_s": latencies,
                     "percentiles_s": {str(p): float(np.percentile(lat, p)) for p in (10, 25, 50, 75, 90, 99)},

@@ -60,6 +60,7 @@ class ThroughputResult:
     num_prompt_tokens: int
     num_output_tokens: int
     structured_outputs: str | None = None  # "json schema NAME" when every request was constrained, else None
+    spec_decode: str | None = None  # the speculative-decoding summary (mean acceptance length, ...), if any
 
 
 def load_json_schema(value: str) -> tuple[str, dict]:
@@ -182,9 +183,15 @@ def run_pagedllm_outputs(args: argparse.Namespace, temperature: float) -> tuple[
     ]
     # Warm-up (kernel compilation, allocator, the grammar's compilation) outside the timer.
     llm.generate(prompts[:2], params[:2], use_tqdm=False)
+    stats_before = llm.llm_engine.get_stats()
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - start
+    from pagedllm.metrics import spec_decode_summary
+
+    spec = spec_decode_summary(llm.llm_engine.get_stats(), stats_before)
+    if spec is not None:
+        print(spec)
     n_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
     n_in = sum(len(o.prompt_token_ids) for o in outs)
     _warn_short_outputs(reqs, outs)
@@ -197,6 +204,7 @@ def run_pagedllm_outputs(args: argparse.Namespace, temperature: float) -> tuple[
     result = _result("pagedllm", len(reqs), elapsed, n_in, n_out)
     if schema_name is not None:
         result.structured_outputs = f"json schema {schema_name}"
+    result.spec_decode = spec
     return result, outs
 
 

@@ -71,6 +71,8 @@ class Request:
         self.block_hashes: list[bytes] = []  # chained hashes of this request's full blocks
         # Structured outputs: the request's GrammarState (structured_output/manager.py), set by the engine core.
         self.grammar: Any = None
+        # Speculative decoding: draft tokens proposed for the next step (the scheduler sends them to be verified).
+        self.spec_token_ids: list[int] = []
         max_tokens = sampling_params.max_tokens
         self.max_tokens = max_tokens if max_tokens is not None else 1 << 62
 

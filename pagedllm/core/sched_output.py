@@ -64,6 +64,12 @@ class SchedulerStats:
     num_prompt_tokens: int = 0  # cumulative prompt tokens scheduled (first time only)
     num_generation_tokens: int = 0  # cumulative tokens generated
     num_integrity_failures: int = 0  # cumulative failed idle-time integrity checks (0 unless there is a bug)
+    # Speculative decoding (cumulative): verification steps with drafts, draft tokens, accepted drafts, and
+    # accepted drafts by position (index i counts drafts accepted at position i).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -110,6 +116,9 @@ class SchedulerOutput:
         default_factory=set
     )  # the subset that will come back (keep their RNG)
     num_computed_tokens: dict[str, int] = field(default_factory=dict)  # req_id -> computed before this step
+    # req_id -> draft tokens to verify this step (speculative decoding). Such a request's scheduled tokens are
+    # its last token plus these drafts; the runner returns 1..len(drafts)+1 tokens for it.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass

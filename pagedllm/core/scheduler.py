@@ -12,6 +12,11 @@ that counts as a known token, so step N+1 schedules its decode; the runner feeds
 ``update_from_output`` turns placeholders into tokens one step later. A request whose placeholders already reach
 ``max_tokens`` or ``max_model_len`` is not scheduled again (it is certain to finish), and one that finishes at step
 N has whatever step N+1 computed for it dropped: it emits nothing after its last token.
+
+Speculative decoding: a decoding request with draft tokens (``Request.spec_token_ids``, set by the proposer after
+the previous step) is scheduled its last token plus the drafts, with blocks for all of them. The runner verifies
+them and returns the accepted drafts plus one token; ``update_from_output`` rolls ``num_computed_tokens`` back
+over the rejected drafts, so their KV slots are simply rewritten later (the blocks stay the request's).
 """
 
 from __future__ import annotations
@@ -107,6 +112,10 @@ class Scheduler:
         # Outputs of requests finished outside a step (a grammar that failed to compile): sent with the next step.
         self.early_outputs: list[EngineCoreOutput] = []
         self.num_grammar_reqs = 0  # unfinished requests with a structured-output constraint
+        self.spec_num_drafts = 0  # speculative decoding counters (see SchedulerStats)
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
+        self.spec_accepted_per_pos: list[int] = []
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -155,6 +164,7 @@ class Scheduler:
         self.kv.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
+        victim.spec_token_ids = []
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add(victim, front=True)
@@ -166,6 +176,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         max_len = self.config.max_model_len
         scheduled: dict[str, int] = {}  # req_id -> num new tokens, in batch order
+        spec_tokens: dict[str, list[int]] = {}  # req_id -> draft tokens scheduled for verification
         preempted = False
 
         # 1. Running requests, in admission order.
@@ -187,6 +198,20 @@ class Scheduler:
             num_new = min(num_new, max_len - request.num_computed_tokens)
             if num_new <= 0:
                 continue
+            drafts = request.spec_token_ids
+            if drafts:
+                request.spec_token_ids = []
+                if num_new == 1 and num_total == request.num_tokens:  # a decode with nothing in flight
+                    # Room for every token it may emit: positions below max_len, tokens below max_tokens.
+                    num_drafts = min(
+                        len(drafts),
+                        budget - 1,
+                        max_len - num_total - 1,
+                        request.max_tokens - request.num_output_tokens - 1,
+                    )
+                    if num_drafts > 0:
+                        spec_tokens[request.request_id] = drafts[:num_drafts]
+                        num_new += num_drafts
             while not self.kv.allocate_slots(request, num_new):
                 preempted = True
                 i = 0  # the running list changed: rescan, skipping requests already visited
@@ -194,9 +219,11 @@ class Scheduler:
                 budget += scheduled.pop(
                     victim.request_id, 0
                 )  # a victim scheduled earlier gives its tokens back
+                spec_tokens.pop(victim.request_id, None)
                 if victim is request:
                     break
             if request.status != RequestStatus.RUNNING:
+                spec_tokens.pop(request.request_id, None)
                 continue
             scheduled[request.request_id] = num_new
             budget -= num_new
@@ -280,6 +307,7 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=self.preempted_req_ids,
             num_computed_tokens=num_computed_before,
+            scheduled_spec_decode_tokens=spec_tokens,
         )
         self.finished_req_ids = set()
         self.preempted_req_ids = set()
@@ -296,6 +324,13 @@ class Scheduler:
                 continue  # finished or aborted meanwhile: what this step computed for it is dropped
             new_token_ids = result.sampled_token_ids.get(req_id, [])
             is_running = request.status == RequestStatus.RUNNING
+            drafts = sched.scheduled_spec_decode_tokens.get(req_id)
+            if drafts and new_token_ids:
+                # Verification emitted the accepted drafts plus one token: the KV computed for the rejected
+                # drafts is dropped by counting them as not computed (their slots are rewritten next step).
+                num_accepted = len(new_token_ids) - 1
+                request.num_computed_tokens -= len(drafts) - num_accepted
+                self._count_spec(len(drafts), num_accepted)
             if is_running:
                 self.kv.cache_blocks(request)
             elif not new_token_ids:
@@ -307,15 +342,24 @@ class Scheduler:
             if prompt_lp is not None:
                 first_pos = sched.num_computed_tokens[req_id] + 1
                 prompt_lp = self._new_prompt_logprob_rows(request, prompt_lp, first_pos)
-            for token_id in new_token_ids:
+            new_logprobs = result.logprobs.get(req_id)
+            for i, token_id in enumerate(new_token_ids):
                 request.append_output_token(token_id)
                 self.num_generation_tokens += 1
                 if request.grammar is not None and not request.grammar.accept(token_id):
                     logger.error("request %s: its grammar rejected token %d; aborting it", req_id, token_id)
                     request.status = RequestStatus.FINISHED_ABORTED
-                    break
-                if self._check_stop(request, token_id):
-                    break
+                elif not self._check_stop(request, token_id):
+                    continue
+                if i + 1 < len(new_token_ids):  # several tokens (speculative decoding): none after the stop
+                    new_token_ids = new_token_ids[: i + 1]
+                    if new_logprobs is not None:
+                        new_logprobs = LogprobsLists(
+                            new_logprobs.token_ids[: i + 1],
+                            new_logprobs.logprobs[: i + 1],
+                            new_logprobs.ranks[: i + 1],
+                        )
+                break
             if not new_token_ids and prompt_lp is None:
                 continue
             queue_time = None if request.queue_time_sent else request.queue_time
@@ -324,7 +368,7 @@ class Scheduler:
                 EngineCoreOutput(
                     request_id=req_id,
                     new_token_ids=new_token_ids,
-                    new_logprobs=result.logprobs.get(req_id),
+                    new_logprobs=new_logprobs,
                     new_prompt_logprobs=prompt_lp,
                     finish_reason=request.status.finish_reason(),
                     stop_reason=request.stop_reason,
@@ -339,6 +383,16 @@ class Scheduler:
                     self.waiting.remove(request)
                 self._free(request)
         return EngineCoreOutputs(outputs=outputs, stats=self.make_stats(), timestamp=time.monotonic())
+
+    def _count_spec(self, num_drafts: int, num_accepted: int) -> None:
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += num_drafts
+        self.spec_num_accepted_tokens += num_accepted
+        per_pos = self.spec_accepted_per_pos
+        if len(per_pos) < num_drafts:
+            per_pos.extend([0] * (num_drafts - len(per_pos)))
+        for i in range(num_accepted):
+            per_pos[i] += 1
 
     def _finish_early(self, request: Request, why: str) -> None:
         """Abort a waiting request that can never run, and queue the output that tells its client."""
@@ -409,6 +463,10 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
+            spec_num_drafts=self.spec_num_drafts,
+            spec_num_draft_tokens=self.spec_num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_num_accepted_tokens,
+            spec_accepted_per_pos=list(self.spec_accepted_per_pos),
         )
 
     def check_integrity(self, block_ids: range | None = None) -> None:

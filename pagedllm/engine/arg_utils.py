@@ -42,11 +42,30 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
         help="plan the next step while the GPU runs this one (default: on with CUDA, off on CPU)",
     )
     parser.add_argument(
+        "--speculative-config",
+        type=_json_dict,
+        default=None,
+        help='speculative decoding, as JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4}\' or \'{"model": DRAFT_DIR, "num_speculative_tokens": 4}\'',
+    )
+    parser.add_argument(
         "--reasoning-parser",
         default=None,
         choices=["deepseek_r1", "qwen3"],
         help="split <think>...</think> into reasoning_content; structured outputs apply after it",
     )
+
+
+def _json_dict(text: str) -> dict[str, Any]:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def resolve_model_arg(args: argparse.Namespace) -> str:
@@ -81,6 +100,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         scheduling_policy=args.scheduling_policy,
         async_scheduling=args.async_scheduling,
         reasoning_parser=getattr(args, "reasoning_parser", None),
+        speculative_config=getattr(args, "speculative_config", None),
         served_model_name=getattr(args, "served_model_name", None),
     )
 

@@ -63,6 +63,12 @@ class EngineCore:
         )
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
         self.async_scheduling = config.scheduler_config.async_scheduling
+        self.proposer = None
+        if config.speculative_config is not None:
+            from pagedllm.spec_decode.proposer import make_proposer
+
+            assert not self.async_scheduling, "speculative decoding runs with synchronous scheduling"
+            self.proposer = make_proposer(config.speculative_config)
         self._in_flight: tuple[SchedulerOutput, StepInFlight] | None = None  # launched, not yet collected
         self._pending_sample: tuple[StepInFlight, Any] | None = None  # launched; its bitmask is being filled
         self.vocab_size = config.model_config.vocab_size
@@ -185,6 +191,8 @@ class EngineCore:
         step = self.runner.launch(sched)
         self.runner.sample(step, self._grammar_bitmask(step))
         outputs = self.scheduler.update_from_output(sched, self.runner.collect(step))
+        if self.proposer is not None:
+            self.proposer.propose(self.scheduler.running)
         return self._finish_outputs(outputs)
 
     def _step_async(self) -> EngineCoreOutputs:

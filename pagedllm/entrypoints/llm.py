@@ -47,6 +47,7 @@ class LLM:
         check_integrity_on_idle: bool = True,
         async_scheduling: bool | None = None,
         reasoning_parser: str | None = None,
+        speculative_config: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         if kwargs:
@@ -78,6 +79,7 @@ class LLM:
             check_integrity_on_idle=check_integrity_on_idle,
             async_scheduling=async_scheduling,
             reasoning_parser=reasoning_parser,
+            speculative_config=speculative_config,
         )
         self.llm_engine = LLMEngine(config)
         self._counter = itertools.count()

@@ -133,12 +133,39 @@ class Sampler(nn.Module):
                 metadata.repetition_penalties,
             )
 
-    @staticmethod
+    def processed_logits(
+        self,
+        logits: torch.Tensor,  # [num_rows, vocab_size], any float dtype
+        metadata: SamplingMetadata,
+    ) -> torch.Tensor:  # [num_rows, vocab_size] float32, a new tensor
+        """The logits every row samples from: greedy rows get masks, bias and penalties (their argmax is the greedy
+        token); random rows also temperature, min-p, top-k and top-p (their softmax is the sampling distribution).
+        Speculative decoding verifies drafts against these."""
+        processed = logits.float()
+        if processed is logits:
+            processed = processed.clone()
+        if metadata.needs_logits_edit:
+            self._edit_logits_(processed, metadata)
+        if metadata.all_greedy:
+            return processed
+        return self._filter_random(processed, metadata, owned=True)
+
+    @classmethod
     def _sample_random(
+        cls,
         logits: torch.Tensor,  # [num_reqs, vocab_size] float32
         metadata: SamplingMetadata,
         owned: bool,  # whether ``logits`` may be modified in place
     ) -> torch.Tensor:  # [num_reqs] int64
+        probs = cls._filter_random(logits, metadata, owned).softmax(dim=-1)  # [num_reqs, vocab_size]
+        return random_sample(probs, metadata.generators)
+
+    @staticmethod
+    def _filter_random(
+        logits: torch.Tensor,  # [num_reqs, vocab_size] float32
+        metadata: SamplingMetadata,
+        owned: bool,  # whether ``logits`` may be modified in place
+    ) -> torch.Tensor:  # [num_reqs, vocab_size] float32: temperature applied, filtered tokens at -inf
         # min-p and top-k-only work in place; top-p (sort path) and temperature make a new tensor.
         in_place = not metadata.no_min_p or (metadata.no_top_p and not metadata.no_top_k)
         if metadata.temperature is not None:
@@ -151,5 +178,4 @@ class Sampler(nn.Module):
             logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
         elif not metadata.no_top_k:
             apply_top_k_only_(logits, metadata.top_k, metadata.max_top_k)
-        probs = logits.softmax(dim=-1)  # [num_reqs, vocab_size]
-        return random_sample(probs, metadata.generators)
+        return logits

@@ -58,7 +58,7 @@ def _check_shapes(
 
 def rejection_sample(
     draft_token_ids: torch.Tensor,  # [batch, k] int64; entries at positions >= num_draft_tokens are ignored
-    num_draft_tokens: torch.Tensor,  # [batch] int64, each in 0..k
+    num_draft_tokens: torch.Tensor,  # [batch] int64, each in 0..k (pass a host tensor when rows are seeded)
     draft_probs: torch.Tensor | None,  # [batch, k, vocab] float32, or None: n-gram drafts (q = one-hot)
     target_logits: torch.Tensor,  # [batch, k + 1, vocab] float32: target logits at each draft position + bonus
     temperature: torch.Tensor,  # [batch] float32; < 1e-5: greedy row
@@ -97,8 +97,11 @@ def rejection_sample(
     uniform = torch.empty(batch, k, device=device)  # [batch, k]
     if len(generators) < batch:
         uniform.uniform_()
-    for row, generator in generators.items():
-        uniform[row].uniform_(generator=generator)
+    if generators:
+        # A seeded row draws one number per real draft, so its stream does not depend on the other rows' k.
+        counts = num_draft_tokens.tolist()  # host values (a sync if they live on the device)
+        for row, generator in generators.items():
+            uniform[row, : counts[row]].uniform_(generator=generator)
     random_accept = uniform * q_draft < p_draft  # [batch, k] bool
 
     accept = torch.where(greedy.unsqueeze(1), greedy_accept, random_accept) & is_draft  # [batch, k]

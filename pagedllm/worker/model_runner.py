@@ -18,6 +18,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from pagedllm.sample.metadata import build_plain_sampling_metadata, build_sampling_metadata
 from pagedllm.sample.sampler import LogprobsTensors, Sampler, compute_logprobs_topk
+from pagedllm.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, rejection_sample
 from pagedllm.worker.cuda_graphs import CudaGraphRunner
 from pagedllm.worker.input_batch import InputBatch
 
@@ -45,6 +46,10 @@ class StepInFlight:
     sampled_host: torch.Tensor | None = None  # [num_sampled] int64 host copy (pinned, filled asynchronously)
     logprobs: LogprobsTensors | None = None  # host copies on CUDA
     event: torch.cuda.Event | None = None  # recorded after the copies to the host
+    # Speculative decoding (a step that verifies drafts; sampled/sampled_host are then [num_sampled, k + 1]).
+    spec_num_draft: np.ndarray | None = None  # [num_sampled] drafts verified per sampled request (0..k)
+    spec_draft_ids: np.ndarray | None = None  # [num_sampled, k] the drafts, padded with 0
+    spec_num_accepted: torch.Tensor | None = None  # [num_sampled] int64 accepted drafts (on the host on CUDA)
     output: ModelRunnerOutput | None = None  # set by collect
 
 
@@ -142,7 +147,9 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
         )
         hidden = self.model(input_ids, positions, caches, meta)
-        n_logits = min(self.max_num_reqs, num_tokens)
+        spec = self.config.speculative_config
+        logits_per_req = 1 if spec is None else 1 + spec.num_speculative_tokens  # verification: k + 1 rows
+        n_logits = min(self.max_num_reqs * logits_per_req, num_tokens)
         logits = self.model.compute_logits(hidden[:n_logits])
         # Sampling with top-p sorts the whole vocabulary: include its working memory.
         probs = logits.softmax(-1).sort(dim=-1)
@@ -250,6 +257,18 @@ class ModelRunner:
         max_blocks = _cdiv(int(seq_lens.max()), self.block_size)
         block_table = batch.block_table_np[rows, :max_blocks]  # [num_reqs, max_blocks]
 
+        # Speculative decoding: a request's drafts follow its last token, in the batch past its known tokens.
+        num_draft = np.zeros(n, dtype=np.int64)  # [num_reqs]
+        spec = sched.scheduled_spec_decode_tokens
+        if spec:
+            for i, req_id in enumerate(req_ids):
+                drafts = spec.get(req_id)
+                if drafts:
+                    row, start = rows[i], batch.num_tokens_np[rows[i]]
+                    batch.token_ids_np[row, start : start + len(drafts)] = drafts
+                    num_draft[i] = len(drafts)
+            input_ids = batch.token_ids_np[token_rows, positions]  # [num_tokens], drafts included
+
         dev = self.device
         # Placeholders: a request's pending token is the first token it computes this step.
         pending = batch.pending_idx[rows]  # [num_reqs]
@@ -297,11 +316,26 @@ class ModelRunner:
         step.req_ids = req_ids
         self._prompt_logprobs(req_ids, rows, num_computed, num_sched, cu, hidden, step.prompt_logprobs)
         # Which requests reach the end of their known tokens (and so produce one).
-        sample_idx = np.nonzero((num_computed + num_sched) == batch.num_tokens_np[rows])[0]  # [num_sampled]
-        if len(sample_idx) == 0:
+        sample_idx = np.nonzero((num_computed + num_sched - num_draft) == batch.num_tokens_np[rows])[0]
+        if len(sample_idx) == 0:  # [num_sampled]
             return step
-        last_token = torch.from_numpy(cu[1:][sample_idx] - 1).to(dev, non_blocking=True)
-        step.logits = self.model.compute_logits(hidden[last_token])  # [num_sampled, vocab_size]
+        if spec:
+            # Logits at the last token and at each draft: [sum(num_draft + 1), vocab_size], request by request.
+            counts = num_draft[sample_idx] + 1  # [num_sampled]
+            first = np.repeat(cu[1:][sample_idx] - counts, counts)  # [num_logits] its request's first row
+            offset = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+            logit_idx = torch.from_numpy(first + offset).to(dev, non_blocking=True)
+            step.logits = self.model.compute_logits(hidden[logit_idx])
+            step.spec_num_draft = num_draft[sample_idx]
+            k = int(step.spec_num_draft.max())
+            step.spec_draft_ids = np.zeros((len(sample_idx), k), dtype=np.int64)  # [num_sampled, k]
+            for j, i in enumerate(sample_idx.tolist()):
+                d = int(num_draft[i])
+                if d:
+                    step.spec_draft_ids[j, :d] = spec[req_ids[i]]
+        else:
+            last_token = torch.from_numpy(cu[1:][sample_idx] - 1).to(dev, non_blocking=True)
+            step.logits = self.model.compute_logits(hidden[last_token])  # [num_sampled, vocab_size]
         step.sample_req_ids = np.array(req_ids, dtype=object)[sample_idx].tolist()
         step.sample_rows = rows[sample_idx]  # [num_sampled]
         return step
@@ -311,6 +345,9 @@ class ModelRunner:
         """Sample ``step``'s rows. ``grammar_bitmask``: [num_sampled, ceil(vocab_size / 32)] int32 on the host,
         bit j of word w of row i set when token 32 * w + j is allowed for ``step.sample_req_ids[i]``."""
         if step.logits is None:
+            return
+        if step.spec_num_draft is not None:
+            self._sample_spec(step, grammar_bitmask)
             return
         batch = self.input_batch
         dev = self.device
@@ -340,6 +377,100 @@ class ModelRunner:
             step.event.record()
         else:
             step.sampled_host = step.sampled
+
+    def _sample_spec(self, step: StepInFlight, grammar_bitmask: torch.Tensor | None) -> None:
+        """Verify the drafts of ``step`` (rejection_sample) and sample the requests without drafts; the result
+        is ``step.sampled``: [num_sampled, k + 1] tokens (accepted drafts, one more, -1 padding). The batch learns
+        the tokens in ``collect`` (speculative decoding runs without async scheduling)."""
+        batch = self.input_batch
+        dev = self.device
+        s_rows = step.sample_rows
+        num_draft = step.spec_num_draft  # [num_sampled]
+        counts = num_draft + 1  # [num_sampled] logit rows per request
+        starts = np.cumsum(counts) - counts  # [num_sampled] its first logit row
+        num_sampled, k = step.spec_draft_ids.shape
+        # Every logit row samples with its request's settings (drafted requests have no history-dependent ones).
+        meta = self._sampling_metadata(np.repeat(s_rows, counts))
+        if grammar_bitmask is not None:
+            expand = torch.from_numpy(np.repeat(np.arange(num_sampled), counts))
+            meta.grammar_bitmask = grammar_bitmask[expand].to(dev, non_blocking=True)
+        processed = self.sampler.processed_logits(step.logits, meta)  # [num_logits, vocab_size] float32
+        greedy = batch.greedy_np[s_rows]  # [num_sampled]
+        temperature = torch.from_numpy(np.where(greedy, 0.0, 1.0).astype(np.float32))  # already applied
+        gens = {int(j): batch.generators[s_rows[j]] for j in np.nonzero(batch.has_generator_np[s_rows])[0]}
+
+        output = torch.full((num_sampled, k + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.long, device=dev)
+        num_accepted = torch.zeros(num_sampled, dtype=torch.long, device=dev)
+        for group in (np.nonzero(num_draft > 0)[0], np.nonzero(num_draft == 0)[0]):
+            if len(group) == 0:
+                continue
+            width = k if num_draft[group[0]] > 0 else 0
+            # [len(group), width + 1] logit rows; short rows repeat their last (ignored past num_draft + 1).
+            idx = starts[group, None] + np.minimum(np.arange(width + 1)[None, :], num_draft[group, None])
+            out, acc = rejection_sample(
+                torch.from_numpy(step.spec_draft_ids[group, :width]).to(dev, non_blocking=True),
+                torch.from_numpy(num_draft[group]),  # on the host: seeded rows read it there
+                None,  # every proposer here drafts deterministically: q is one-hot
+                processed[torch.from_numpy(idx).to(dev, non_blocking=True)],
+                temperature[group].to(dev, non_blocking=True),
+                {g: gens[int(j)] for g, j in enumerate(group) if int(j) in gens},
+            )
+            group_dev = torch.from_numpy(group).to(dev, non_blocking=True)
+            output[group_dev, : width + 1] = out
+            num_accepted[group_dev] = acc
+        step.logprobs = None
+        if (batch.num_logprobs_np[s_rows] >= 0).any():
+            # Raw logprobs of every logit row's emitted token (rows past a request's emitted ones are dropped).
+            pos = np.arange(int(counts.sum())) - np.repeat(starts, counts)  # [num_logits]
+            flat = output[
+                torch.from_numpy(np.repeat(np.arange(num_sampled), counts)).to(dev),
+                torch.from_numpy(pos).to(dev),
+            ]
+            step.logprobs = compute_logprobs_topk(
+                step.logits, flat.clamp(min=0), int(batch.num_logprobs_np[s_rows].max())
+            )
+        step.logits = None
+        step.sample_gen = batch.row_gen[s_rows].copy()
+        step.sample_num_logprobs = batch.num_logprobs_np[s_rows].copy()
+        step.sampled = output
+        step.spec_num_accepted = num_accepted
+        if dev.type == "cuda":
+            step.sampled_host = torch.empty(output.shape, dtype=torch.long, pin_memory=True)
+            step.sampled_host.copy_(output, non_blocking=True)
+            step.spec_num_accepted = torch.empty(num_sampled, dtype=torch.long, pin_memory=True)
+            step.spec_num_accepted.copy_(num_accepted, non_blocking=True)
+            if step.logprobs is not None:
+                step.logprobs = step.logprobs.to_host_async()
+            step.event = torch.cuda.Event()
+            step.event.record()
+        else:
+            step.sampled_host = output
+
+    def _collect_spec(self, step: StepInFlight, out: ModelRunnerOutput) -> None:
+        """``collect`` for a verification step: each request gets its accepted drafts plus one token."""
+        batch = self.input_batch
+        tokens = step.sampled_host.numpy()  # [num_sampled, k + 1]
+        num_emitted = step.spec_num_accepted.numpy() + 1  # [num_sampled]
+        lp = step.logprobs.tolists() if step.logprobs is not None else None
+        start = 0  # first logit row of request j
+        for j, req_id in enumerate(step.sample_req_ids):
+            n = int(num_emitted[j])
+            emitted = tokens[j, :n]
+            out.sampled_token_ids[req_id] = emitted.tolist()
+            row = step.sample_rows[j]
+            if batch.row_gen[row] == step.sample_gen[j]:
+                end = int(batch.num_tokens_np[row])
+                batch.token_ids_np[row, end : end + n] = emitted
+                batch.num_tokens_np[row] = end + n
+            num_lp = int(step.sample_num_logprobs[j])
+            if lp is not None and num_lp >= 0:
+                rows = slice(start, start + n)
+                out.logprobs[req_id] = LogprobsLists(
+                    [r[: num_lp + 1] for r in lp.token_ids[rows]],
+                    [r[: num_lp + 1] for r in lp.logprobs[rows]],
+                    lp.ranks[rows],
+                )
+            start += int(step.spec_num_draft[j]) + 1
 
     def _sampling_metadata(self, s_rows: np.ndarray):
         batch = self.input_batch
@@ -382,6 +513,10 @@ class ModelRunner:
             return out
         if step.event is not None:
             step.event.synchronize()
+        if step.spec_num_draft is not None:
+            self._collect_spec(step, out)
+            step.sampled = None
+            return out
         token_np = step.sampled_host.numpy()  # [num_sampled]
         token_ids = token_np.tolist()
         out.sampled_token_ids.update(zip(step.sample_req_ids, [[t] for t in token_ids]))

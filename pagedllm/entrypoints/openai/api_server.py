@@ -351,6 +351,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--chat-template", default=None, help="a Jinja chat template: a file path or the template"
     )
     group.add_argument("--disable-log-requests", action="store_true")
+    group.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput / spec-decode log")
     group.add_argument(
         "--uvicorn-log-level",
         default="info",
@@ -475,10 +476,11 @@ async def _serve(
     import uvicorn
 
     from pagedllm.engine.async_llm import AsyncLLM
-    from pagedllm.metrics import PrometheusStatLogger
+    from pagedllm.metrics import LoggingStatLogger, PrometheusStatLogger
 
     metrics = PrometheusStatLogger(served_model_names[0])
-    engine = AsyncLLM(config, log_requests=not args.disable_log_requests, stat_loggers=[metrics.record])
+    stat_loggers = [metrics.record] + ([] if args.disable_log_stats else [LoggingStatLogger()])
+    engine = AsyncLLM(config, log_requests=not args.disable_log_requests, stat_loggers=stat_loggers)
     watchdog = None
     try:
         app = build_app(

@@ -1,0 +1,61 @@
+"""Draft proposers behind one small interface, called by the engine core after each step.
+
+``propose(requests)`` sets ``Request.spec_token_ids`` for the running requests that can speculate; the scheduler
+sends them with the next step, the runner verifies them, and ``update_from_output`` rolls back what was rejected.
+A request speculates only when its sampling does not read its own history position by position (penalties,
+bad words, min_tokens) and it has no grammar: for those the target distribution of a draft position would depend
+on the drafts before it, which the verification step does not model. They decode one token at a time, exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+import numpy as np
+
+from pagedllm.config import SpeculativeConfig
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.spec_decode.ngram import NgramProposer
+from pagedllm.worker.input_batch import needs_history
+
+
+def can_speculate(request: Request) -> bool:
+    """Whether ``request`` may get drafts: decoding (one token behind), no grammar, no history-dependent sampling."""
+    return (
+        request.status == RequestStatus.RUNNING
+        and request.num_computed_tokens == request.num_tokens - 1
+        and request.grammar is None
+        and not needs_history(request.sampling_params)
+    )
+
+
+class Proposer(Protocol):
+    def propose(self, requests: Sequence[Request]) -> None:
+        """Set ``spec_token_ids`` of each request in ``requests`` that can speculate."""
+
+    def finish(self, req_ids: Iterable[str]) -> None:
+        """Forget finished requests."""
+
+
+class NgramSpecProposer:
+    """vLLM's ``method="ngram"``: prompt lookup over each request's own tokens (host, numpy)."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.ngram = NgramProposer(
+            config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+        )
+
+    def propose(self, requests: Sequence[Request]) -> None:
+        for request in requests:
+            if can_speculate(request):
+                request.spec_token_ids = self.ngram.propose(np.asarray(request.all_token_ids)).tolist()
+
+    def finish(self, req_ids: Iterable[str]) -> None:
+        pass
+
+
+def make_proposer(config: SpeculativeConfig) -> Proposer:
+    if config.method == "ngram":
+        return NgramSpecProposer(config)
+    raise ValueError(f"speculative_config.method {config.method!r} is not supported yet")

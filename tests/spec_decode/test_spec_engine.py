@@ -1,0 +1,282 @@
+"""Speculative decoding through the engine (n-gram drafts, CPU, float32): greedy output equals transformers' and
+the engine's own output without speculation, across chunked prefill, prefix hits, preemption, n > 1, stop
+strings, stop tokens inside accepted drafts, logprobs and aborts; no KV block leaks; config errors; metrics."""
+
+from __future__ import annotations
+
+import functools
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.engine.arg_utils import add_engine_args, engine_kwargs_from_args
+from tests.utils import hf_greedy
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+MAX_NEW = 40
+
+
+def make_prompts(seed: int = 0) -> list[list[int]]:
+    """Random prompts plus repetitive ones: the drafts come from both, and the tiny models loop often enough."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 200) for _ in range(n)] for n in (5, 17, 9, 30)]
+    prompts += [[7, 8, 9, 10] * 5, [21, 22, 23] * 7 + [21]]
+    return prompts
+
+
+def make_llm(path: str, spec: dict | None = NGRAM, **kw) -> LLM:
+    kw.setdefault("dtype", "float32")
+    kw.setdefault("device", "cpu")
+    kw.setdefault("block_size", 4)
+    return LLM(path, speculative_config=spec, **kw)
+
+
+def greedy(llm: LLM, prompts: list[list[int]], max_tokens: int = MAX_NEW, **params) -> list[list[int]]:
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **params)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@functools.cache
+def reference(path: str, prompts: tuple[tuple[int, ...], ...], max_new: int = MAX_NEW) -> list[list[int]]:
+    return hf_greedy(path, [list(p) for p in prompts], max_new)
+
+
+def stats(llm: LLM):
+    return llm.llm_engine.get_stats()
+
+
+def assert_no_leaks(llm: LLM) -> None:
+    core = llm.llm_engine.engine_core
+    core.check_integrity()
+    assert core.kv_cache_manager.num_free_blocks == core.kv_cache_manager.pool.num_blocks
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma"])
+def test_ngram_greedy_matches_transformers(tiny_model_dirs, arch):
+    path = tiny_model_dirs[arch]
+    prompts = make_prompts()
+    llm = make_llm(path)
+    assert greedy(llm, prompts) == reference(path, tuple(map(tuple, prompts)))
+    s = stats(llm)
+    assert s.spec_num_drafts > 0 and s.spec_num_draft_tokens >= s.spec_num_drafts
+    assert 0 <= s.spec_num_accepted_tokens <= s.spec_num_draft_tokens
+    assert sum(s.spec_accepted_per_pos) == s.spec_num_accepted_tokens
+    assert_no_leaks(llm)
+
+
+def test_ngram_accepts_drafts(tiny_llama):
+    """These prompts make the tiny Llama repeat itself, so prompt lookup must be right some of the time; the
+    counters must then say the verification step emitted more tokens than it ran steps for."""
+    llm = make_llm(tiny_llama)
+    greedy(llm, make_prompts())
+    s = stats(llm)
+    assert s.spec_num_accepted_tokens > 0
+    assert s.spec_accepted_per_pos[0] >= max(s.spec_accepted_per_pos)  # position i needs positions < i
+
+
+def test_ngram_exact_with_small_chunks_prefix_hits_and_preemption(tiny_llama):
+    """A token budget of 6 splits prompts and caps drafts; shared prefixes hit the cache; a 40-block pool
+    forces preemptions mid-generation. Output must still be transformers'."""
+    base = make_prompts(1)
+    prefix = [11, 12, 13, 14, 15, 16, 17, 18]
+    prompts = base + [prefix + p[:6] for p in base]
+    llm = make_llm(
+        tiny_llama, max_num_batched_tokens=6, num_gpu_blocks_override=40, max_num_seqs=8, max_model_len=128
+    )
+    assert greedy(llm, prompts) == reference(tiny_llama, tuple(map(tuple, prompts)))
+    s = stats(llm)
+    assert s.num_preemptions > 0, "the test meant to preempt"
+    assert s.prefix_cache_hits > 0, "the test meant to hit the prefix cache"
+    assert s.spec_num_drafts > 0
+    assert_no_leaks(llm)
+
+
+def test_stop_tokens_inside_drafts_and_max_tokens(tiny_llama):
+    """A stop token or max_tokens reached in the middle of accepted drafts ends the output right there."""
+    prompts = make_prompts(2)
+    plain = make_llm(tiny_llama, spec=None)
+    spec = make_llm(tiny_llama)
+    full = greedy(plain, prompts)
+    for max_tokens in (1, 2, 5, 13):
+        assert greedy(spec, prompts, max_tokens=max_tokens) == [t[:max_tokens] for t in full]
+    stop_id = full[-1][len(full[-1]) // 2]  # a token the last prompt's output produces midway
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, stop_token_ids=[stop_id])
+    want = plain.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    got = spec.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    for w, g in zip(want, got):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert (g.outputs[0].finish_reason, g.outputs[0].stop_reason) == (
+            w.outputs[0].finish_reason,
+            w.outputs[0].stop_reason,
+        )
+    assert any(w.outputs[0].stop_reason == stop_id for w in want)
+    assert_no_leaks(spec)
+
+
+def test_n_text_prompts_stop_strings_and_logprobs(tiny_llama):
+    plain = make_llm(tiny_llama, spec=None)
+    spec = make_llm(tiny_llama)
+    prompts = ["the cat counted the stars and the stars", "hello hello hello hello", "def fibonacci(n"]
+    sp = SamplingParams(n=2, temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+    want = plain.generate(prompts, sp, use_tqdm=False)
+    got = spec.generate(prompts, sp, use_tqdm=False)
+    for w, g in zip(want, got):
+        assert len(g.outputs) == 2
+        for wc, gc in zip(w.outputs, g.outputs):
+            assert gc.token_ids == wc.token_ids and gc.text == wc.text
+            assert len(gc.logprobs) == len(gc.token_ids)
+            for wl, gl in zip(wc.logprobs, gc.logprobs):
+                assert wl.keys() == gl.keys()
+                for tok in wl:
+                    assert gl[tok].logprob == pytest.approx(wl[tok].logprob, abs=1e-4)
+                    assert gl[tok].rank == wl[tok].rank
+    # A stop string taken from the middle of an output: the same text, cut at the same place.
+    text = want[1].outputs[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop])
+    w, g = plain.generate(prompts, sp, use_tqdm=False), spec.generate(prompts, sp, use_tqdm=False)
+    assert [o.outputs[0].text for o in g] == [o.outputs[0].text for o in w]
+    assert [o.outputs[0].finish_reason for o in g] == [o.outputs[0].finish_reason for o in w]
+    assert w[1].outputs[0].finish_reason == "stop"
+    assert stats(spec).spec_num_drafts > 0
+    assert_no_leaks(spec)
+
+
+def test_sampling_params_that_read_history_decode_without_drafts(tiny_llama):
+    """Penalties and min_tokens change the target distribution position by position: such requests run
+    without drafts (exactly as without speculation), next to requests that do speculate."""
+    prompts = make_prompts(3)
+    plain = make_llm(tiny_llama, spec=None)
+    spec = make_llm(tiny_llama)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, frequency_penalty=0.5),
+        SamplingParams(temperature=0.0, max_tokens=20, min_tokens=5),
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logit_bias={5: 2.0}),
+    ] + [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)] * (len(prompts) - 4)
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    want = plain.generate(inputs, params, use_tqdm=False)
+    got = spec.generate(inputs, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert stats(spec).spec_num_drafts > 0
+    assert_no_leaks(spec)
+
+
+def test_seeded_sampling_with_drafts_repeats(tiny_llama):
+    """Seeded random rows draw from their own generators: the same seed gives the same output, alone or in a
+    batch with other requests."""
+    spec = make_llm(tiny_llama)
+    prompts = make_prompts(4)
+    sp = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=7, max_tokens=30, ignore_eos=True)
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    batch = [o.outputs[0].token_ids for o in spec.generate(inputs, sp, use_tqdm=False)]
+    alone = [spec.generate([i], sp, use_tqdm=False)[0].outputs[0].token_ids for i in inputs[-2:]]
+    assert batch[-2:] == alone
+    assert stats(spec).spec_num_drafts > 0
+    assert_no_leaks(spec)
+
+
+def test_aborts_and_rejections_leak_no_blocks(tiny_llama):
+    """Steps with rejected drafts, requests aborted between steps, and a small pool: the pool invariants hold
+    after every step and everything is returned at the end."""
+    llm = make_llm(tiny_llama, num_gpu_blocks_override=30, max_model_len=96)
+    engine = llm.llm_engine
+    core = engine.engine_core
+    prompts = make_prompts(5) * 2
+    sp = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", {"prompt_token_ids": p}, sp)
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        core.check_integrity()
+        steps += 1
+        if steps in (3, 7, 12):
+            engine.abort_request([f"r{steps % len(prompts)}", f"r{(steps + 5) % len(prompts)}"])
+    s = stats(llm)
+    assert s.spec_num_draft_tokens > s.spec_num_accepted_tokens > 0  # rejections happened, and acceptances
+    assert s.num_preemptions > 0
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize(
+    "spec, field",
+    [
+        ({"method": "bogus", "num_speculative_tokens": 2}, "method"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"method": "ngram"}, "num_speculative_tokens"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2},
+            "prompt_lookup_max",
+        ),
+        ({"model": "/no/such/draft", "num_speculative_tokens": 2}, "model"),
+        ({"method": "eagle", "num_speculative_tokens": 2}, "model"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "lookahead"),
+        ("ngram", "speculative_config"),
+    ],
+)
+def test_invalid_speculative_config_fails_at_startup(tiny_llama, spec, field):
+    with pytest.raises(ValueError, match=field):
+        make_llm(tiny_llama, spec=spec)
+
+
+def test_draft_with_another_vocabulary_is_refused(tiny_llama, tmp_path):
+    config = json.loads((Path(tiny_llama) / "config.json").read_text())
+    config["vocab_size"] += 10
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="vocab_size"):
+        make_llm(tiny_llama, spec={"model": str(tmp_path), "num_speculative_tokens": 2})
+
+
+def test_cli_flag_and_async_scheduling_turned_off(tiny_llama):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(
+        ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}', "--async-scheduling"]
+    )
+    kw = engine_kwargs_from_args(args)
+    assert kw["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 2}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--speculative-config", "{not json"])
+    llm = make_llm(tiny_llama, spec=kw["speculative_config"], async_scheduling=True)
+    config = llm.llm_engine.engine_core.config
+    assert config.speculative_config.prompt_lookup_min == config.speculative_config.prompt_lookup_max == 5
+    assert not config.scheduler_config.async_scheduling
+
+
+def test_metrics_and_summary_line():
+    from pagedllm.core.sched_output import SchedulerStats
+    from pagedllm.metrics import PrometheusStatLogger, spec_decode_summary
+
+    logger = PrometheusStatLogger("m")
+    logger.record_scheduler_stats(
+        SchedulerStats(
+            spec_num_drafts=4,
+            spec_num_draft_tokens=12,
+            spec_num_accepted_tokens=6,
+            spec_accepted_per_pos=[3, 2, 1],
+        )
+    )
+    later = SchedulerStats(
+        spec_num_drafts=6,
+        spec_num_draft_tokens=18,
+        spec_num_accepted_tokens=9,
+        spec_accepted_per_pos=[5, 3, 1],
+    )
+    logger.record_scheduler_stats(later)
+    text = logger.render().decode()
+    assert 'pagedllm:spec_decode_num_drafts_total{model_name="m"} 6.0' in text
+    assert 'pagedllm:spec_decode_num_draft_tokens_total{model_name="m"} 18.0' in text
+    assert 'pagedllm:spec_decode_num_accepted_tokens_total{model_name="m"} 9.0' in text
+    assert 'pagedllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 5.0' in text
+    line = spec_decode_summary(later)
+    assert "Mean acceptance length: 2.50" in line and "Avg Draft acceptance rate: 50.0%" in line
+    assert spec_decode_summary(later, later) is None
+    assert "Mean acceptance length: 2.50" in spec_decode_summary(later, SchedulerStats())
