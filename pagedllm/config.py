@@ -68,8 +68,12 @@ class ModelConfig:
     trust_remote_code: bool = False
     load_format: str = "auto"  # "auto" (safetensors) | "dummy" (random weights)
     served_model_name: str | None = None
+    # vLLM's names: "fp8" (online from a float checkpoint, or an fp8 checkpoint), "gptq", "awq",
+    # "compressed-tensors"; None reads config.json's quantization_config (see pagedllm.quantization)
+    quantization: str | None = None
     hf_config: Any = field(default=None, init=False, repr=False)
     model_path: str = field(default="", init=False)
+    quant_config: Any = field(default=None, init=False, repr=False)  # QuantizationConfig | None
 
     def __post_init__(self) -> None:
         from transformers import AutoConfig
@@ -91,6 +95,10 @@ class ModelConfig:
         if not archs:
             raise ValueError(f"config.json of {self.model!r} names no architectures")
         get_model_class(archs[0], import_module=False)  # ValueError listing the supported ones
+        from pagedllm.quantization import resolve_quantization
+
+        # ValueError naming the offending quantization_config field
+        self.quant_config = resolve_quantization(self.quantization, self.hf_config)
         self.dtype = self._resolve_dtype(self.dtype)
         derived = self.derived_max_model_len()
         if self.max_model_len is None:
@@ -348,6 +356,7 @@ def make_engine_config(
     async_scheduling: bool | None = None,
     reasoning_parser: str | None = None,
     speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
+    quantization: str | None = None,
 ) -> EngineConfig:
     """Build every config from vLLM-named keyword arguments (what ``LLM(...)`` and ``pagedllm serve`` take)."""
     if reasoning_parser is not None:
@@ -365,6 +374,7 @@ def make_engine_config(
         trust_remote_code=trust_remote_code,
         load_format=load_format,
         served_model_name=served_model_name,
+        quantization=quantization,
     )
     if dtype == "auto":
         # As vLLM: float32 checkpoints run in bfloat16 on GPUs. On CPU half types are slow: use float32.

@@ -4,6 +4,11 @@ Loading is strict: every checkpoint tensor must land in a parameter (or shard of
 parameter must be filled completely, else ``ValueError`` listing the offending names. Checkpoint names are
 mapped to our parameters through the model's ``packed_modules_mapping`` (``q_proj`` -> shard 0 of
 ``qkv_proj``, ...). Parameters shared by two names (tied ``lm_head``/``embed_tokens``) load from either.
+
+Quantized models (``ModelConfig.quant_config``): the model is built with placeholder linear weights, each
+``Linear`` then gets its quantization method's parameters (``qweight``, ``scales``, ``weight_scale``, ...; see
+``pagedllm.quantization``), the same strict loading fills them (a parameter marked ``optional``, such as
+GPTQ's ``g_idx``, may keep its initial value), and each method's ``process_weights_after_loading`` runs last.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from torch import nn
 
 from pagedllm.attention.base import AttentionBackend
 from pagedllm.config import ModelConfig
-from pagedllm.layers.linear import default_weight_loader
+from pagedllm.layers.linear import Linear, default_weight_loader, deferred_linear_weights
 from pagedllm.models.registry import get_model_class
 
 # Checkpoint tensors that are derived state, not weights: skipped silently.
@@ -43,12 +48,23 @@ def get_model(model_config: ModelConfig, device: torch.device, attn_backend: Att
     if not architectures:
         raise ValueError("the model config names no architecture (config.json 'architectures' is empty)")
     model_cls = get_model_class(architectures[0])
+    quant_config = getattr(model_config, "quant_config", None)
     with _default_dtype(model_config.dtype), torch.device(device):
-        model = model_cls(hf_config, attn_backend)
+        if quant_config is None:
+            model = model_cls(hf_config, attn_backend)
+        else:
+            from pagedllm.quantization import quantize_model
+
+            with deferred_linear_weights():
+                model = model_cls(hf_config, attn_backend)
+            quantize_model(model, quant_config)
     if model_config.load_format == "dummy":
         init_dummy_weights(model, model_config.seed)
     else:
         load_weights(model, iter_safetensors(model_config.model_path))
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.quant_method.process_weights_after_loading(module)
     return model.eval()
 
 
@@ -116,7 +132,7 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
                 param.weight_loader(param, tensor, shard_id)
                 shards = {shard_id}
             elif num_shards is not None:  # the checkpoint already holds the fused tensor
-                default_weight_loader(param, tensor)
+                getattr(param, "fused_weight_loader", default_weight_loader)(param, tensor)
                 shards = set(range(num_shards))
             else:
                 getattr(param, "weight_loader", default_weight_loader)(param, tensor)
@@ -128,6 +144,8 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
     for name, param in params.items():
         num_shards = getattr(param, "num_shards", None)
         expected = {None} if num_shards is None else set(range(num_shards))
+        if getattr(param, "optional", False) and name not in loaded:
+            continue
         if loaded.get(name, set()) != expected:
             missing.append(name)
     if unexpected or missing:
@@ -139,13 +157,26 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
 
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
-    """Random weights, deterministic per ``seed`` and device: N(0, std) matrices, zero biases, unit norms."""
+    """Random weights, deterministic per ``seed`` and device: N(0, std) matrices, zero biases, unit norms.
+
+    Quantized parameters: random bits for packed integers, N(0, 1) FP8 weights, ``std / 4`` scales (about ``std``
+    dequantized); ``optional`` ones (GPTQ's ``g_idx``) keep their valid initial value."""
     generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
+        if "scale" in name.rsplit(".", 1)[-1]:
+            param.fill_(std / 4)
+            continue
+        if getattr(param, "optional", False):
+            continue
         if param.dim() == 1:
             param.fill_(1.0 if "norm" in name else 0.0)
             continue
         gen = generators.get(param.device)
         if gen is None:
             gen = generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
-        param.normal_(0.0, std, generator=gen)
+        if not param.is_floating_point():
+            param.random_(-(2**31), 2**31 - 1, generator=gen)
+        elif param.dtype.itemsize == 1:  # float8: no normal_ kernel
+            param.copy_(torch.randn(param.shape, generator=gen, device=param.device))
+        else:
+            param.normal_(0.0, std, generator=gen)

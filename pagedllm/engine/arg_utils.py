@@ -30,6 +30,14 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     parser.add_argument("--device", default="auto")
     parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        choices=["fp8", "gptq", "awq", "compressed-tensors", "gptq_marlin", "awq_marlin"],
+        help="quantization method; default: the checkpoint's quantization_config ('fp8' also quantizes a float "
+        "checkpoint online)",
+    )
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
     parser.add_argument("--enforce-eager", action="store_true")
@@ -100,6 +108,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         scheduling_policy=args.scheduling_policy,
         async_scheduling=args.async_scheduling,
         reasoning_parser=getattr(args, "reasoning_parser", None),
+        quantization=getattr(args, "quantization", None),
         speculative_config=getattr(args, "speculative_config", None),
         served_model_name=getattr(args, "served_model_name", None),
     )

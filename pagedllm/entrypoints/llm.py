@@ -48,6 +48,7 @@ class LLM:
         async_scheduling: bool | None = None,
         reasoning_parser: str | None = None,
         speculative_config: dict[str, Any] | None = None,
+        quantization: str | None = None,
         **kwargs: Any,
     ) -> None:
         if kwargs:
@@ -80,6 +81,7 @@ class LLM:
             async_scheduling=async_scheduling,
             reasoning_parser=reasoning_parser,
             speculative_config=speculative_config,
+            quantization=quantization,
         )
         self.llm_engine = LLMEngine(config)
         self._counter = itertools.count()

@@ -5,11 +5,19 @@ calls. Fused layers (``MergedLinear``, ``QKVLinear``) hold several checkpoint te
 along the output dimension; each piece is loaded by its shard index and ``param.num_shards`` says how many
 pieces a complete parameter has, so the loader can check none is missing. No tensor parallelism yet:
 every rank would hold the whole weight.
+
+How a layer holds and applies its weight is its ``quant_method`` (a ``LinearMethod``): the default
+``UnquantizedLinearMethod`` keeps a float ``weight: [output_size, input_size]``; the methods of
+``pagedllm.quantization`` replace it with packed tensors (``qweight``, ``scales``, ...) after the model is
+built (``set_linear_method``), so model files never change. Under ``deferred_linear_weights()`` (what the
+loader uses for quantized models) the float weight is a meta-device placeholder until then, so a quantized
+model never allocates its float weights.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -39,21 +47,98 @@ def new_parameter(
     return param
 
 
-class Linear(nn.Module):
-    """``y = x @ W.T + b`` with ``W: [output_size, input_size]``."""
+_DEFER_WEIGHTS = False  # set by deferred_linear_weights() while a model is being built
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+
+@contextlib.contextmanager
+def deferred_linear_weights() -> Iterator[None]:
+    """Build ``Linear`` layers with a meta-device placeholder weight (no memory) until ``set_linear_method``
+    gives each its real parameters. Construction-time only; biases are allocated as usual."""
+    global _DEFER_WEIGHTS
+    old, _DEFER_WEIGHTS = _DEFER_WEIGHTS, True
+    try:
+        yield
+    finally:
+        _DEFER_WEIGHTS = old
+
+
+class LinearMethod:
+    """How a ``Linear`` holds and applies its weight.
+
+    ``create_weights(layer)`` registers the layer's weight parameters (each with a ``weight_loader``, and
+    ``num_shards`` on fused layers) in the current default dtype and device; ``process_weights_after_loading``
+    runs once the checkpoint is in; ``apply(layer, x)`` computes ``x @ W.T + layer.bias``.
+    """
+
+    def create_weights(self, layer: Linear) -> None:
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        return None
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        raise NotImplementedError
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    """A float ``weight: [output_size, input_size]``; fused layers load it shard by shard (rows)."""
+
+    def create_weights(self, layer: Linear) -> None:
+        if layer.fused:
+            weight = new_parameter(
+                layer.output_size,
+                layer.input_size,
+                weight_loader=layer.weight_loader,
+                num_shards=len(layer.output_sizes),
+            )
+        else:
+            weight = new_parameter(layer.output_size, layer.input_size)
+        layer.weight = weight  # [output_size, input_size]
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layer.weight, layer.bias)
+
+
+class Linear(nn.Module):
+    """``y = x @ W.T + b`` with ``W: [output_size, input_size]`` (held as its ``quant_method`` says)."""
+
+    fused = False  # True for layers whose weight stacks several checkpoint tensors (MergedLinear)
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        output_sizes: Sequence[int] | None = None,
+    ) -> None:
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
-        self.weight = new_parameter(output_size, input_size)  # [output_size, input_size]
+        # shard i is output rows [shard_offsets[i], shard_offsets[i] + output_sizes[i])
+        self.output_sizes = list(output_sizes) if output_sizes is not None else [output_size]
+        self.shard_offsets = [sum(self.output_sizes[:i]) for i in range(len(self.output_sizes))]
+        self.quant_method: LinearMethod = UnquantizedLinearMethod()
+        if _DEFER_WEIGHTS:
+            self.weight = nn.Parameter(
+                torch.empty(output_size, input_size, device="meta"), requires_grad=False
+            )
+        else:
+            self.quant_method.create_weights(self)
         self.bias = new_parameter(output_size) if bias else None  # [output_size]
 
+    def set_linear_method(self, method: LinearMethod) -> None:
+        """Drop the current weight parameters and let ``method`` create its own (before loading)."""
+        if "weight" in self._parameters:
+            del self._parameters["weight"]
+        self.quant_method = method
+        method.create_weights(self)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., input_size] -> [..., output_size]
-        return F.linear(x, self.weight, self.bias)
+        return self.quant_method.apply(self, x)
 
     def extra_repr(self) -> str:
-        return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
+        method = type(self.quant_method).__name__
+        return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}, method={method}"
 
 
 class MergedLinear(Linear):
@@ -62,14 +147,13 @@ class MergedLinear(Linear):
     Shard ``i`` of the weight is rows ``[sum(output_sizes[:i]), sum(output_sizes[:i+1]))``.
     """
 
+    fused = True
+
     def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool = False) -> None:
-        super().__init__(input_size, sum(output_sizes), bias)
-        self.output_sizes = list(output_sizes)
-        self.shard_offsets = [sum(self.output_sizes[:i]) for i in range(len(self.output_sizes))]
-        for param in (self.weight, self.bias):
-            if param is not None:
-                param.weight_loader = self.weight_loader
-                param.num_shards = len(self.output_sizes)
+        super().__init__(input_size, sum(output_sizes), bias, output_sizes=output_sizes)
+        if self.bias is not None:
+            self.bias.weight_loader = self.weight_loader
+            self.bias.num_shards = len(self.output_sizes)
 
     def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: int) -> None:
         """Copy one checkpoint tensor (``[output_sizes[shard_id], ...]``) into its rows of ``param``."""

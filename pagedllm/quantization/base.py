@@ -1,0 +1,195 @@
+"""What every quantization method shares: the config interface, module-name matching, int4 packing, and
+parameters whose ``weight_loader`` knows where each fused shard lies in a packed tensor.
+
+A method is one file (``fp8.py``, ``gptq.py``, ...) holding its ``QuantizationConfig`` (parsed from
+config.json's ``quantization_config`` or from the ``quantization=`` flag, checked at start-up with a
+``ValueError`` naming the field) and its ``LinearMethod`` (``pagedllm.layers.linear``).
+
+Shards. A fused layer (``qkv_proj``, ``gate_up_proj``) stacks its checkpoint tensors along the output
+dimension: shard ``i`` owns output channels ``[layer.shard_offsets[i], + layer.output_sizes[i])``. A packed
+parameter declares which of its dims runs over output channels (``output_dim``) and how many channels one
+element holds along it (``pack_factor``, e.g. 8 for int4 packed in int32), so a shard lands at
+``narrow(output_dim, offset // pack_factor, size // pack_factor)``. Per-shard values that do not run over
+output channels (GPTQ's ``g_idx``, a static ``input_scale``) get a leading ``[num_shards]`` dim instead.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.layers.linear import Linear, LinearMethod
+
+WeightLoader = Callable[..., None]
+
+
+class QuantizationConfig:
+    """A parsed quantization scheme: which layers it quantizes and with which ``LinearMethod``."""
+
+    name: str = ""
+
+    def get_linear_method(
+        self, layer: Linear, prefix: str, checkpoint_names: Sequence[str]
+    ) -> LinearMethod | None:
+        """The method for the linear layer ``prefix`` (our module name), or None to keep it unquantized.
+
+        ``checkpoint_names`` are the checkpoint's module names stacked in it (``[q_proj, k_proj, v_proj]`` for
+        ``qkv_proj``; ``[prefix]`` for an unfused layer), which is what ignore lists name.
+        """
+        raise NotImplementedError
+
+
+def _get(config: dict[str, Any], *keys: str, default: Any = None) -> Any:
+    """The first of ``keys`` present in ``config`` (formats spell some fields two ways)."""
+    for key in keys:
+        if key in config and config[key] is not None:
+            return config[key]
+    return default
+
+
+def matches_module(name: str, pattern: str) -> bool:
+    """Whether checkpoint module ``name`` is named by an ignore-list ``pattern``.
+
+    ``re:<regex>`` patterns (compressed-tensors) match with ``re.match``; plain ones match a whole dotted
+    component run of the name (``lm_head``, ``mlp.down_proj``, ``model.layers.0.self_attn.q_proj``), as
+    transformers' ``modules_to_not_convert`` does.
+    """
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], name) is not None
+    return f".{pattern}." in f".{name}."
+
+
+def is_ignored(prefix: str, checkpoint_names: Sequence[str], patterns: Sequence[str], field: str) -> bool:
+    """True when every checkpoint module of the layer is ignored; ``ValueError`` when only some are (the
+    fused layer would need two formats)."""
+    if not patterns:
+        return False
+    if any(matches_module(prefix, p) for p in patterns):
+        return True
+    hits = [any(matches_module(n, p) for p in patterns) for n in checkpoint_names]
+    if all(hits):
+        return True
+    if any(hits):
+        raise ValueError(
+            f"quantization_config.{field} ignores only some of {list(checkpoint_names)}, which pagedllm fuses "
+            f"into {prefix}: a fused layer must be quantized as a whole"
+        )
+    return False
+
+
+# ----------------------------------------------------------------------------------------------- int4 packing
+# 8 unsigned 4-bit values per int32; nibble j occupies bits [4j, 4j + 4).
+GPTQ_ORDER = (0, 1, 2, 3, 4, 5, 6, 7)  # nibble j holds element 8k + j
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble j holds element 8k + AWQ_ORDER[j]
+_SHIFTS = tuple(range(0, 32, 4))
+
+
+def unpack_int4(packed: torch.Tensor, dim: int, order: Sequence[int] = GPTQ_ORDER) -> torch.Tensor:
+    """int32 ``packed`` -> uint8 values in [0, 16), 8x longer along ``dim``.
+
+    Element ``8k + order[j]`` along ``dim`` is nibble ``j`` (bits ``4j..4j+3``) of packed element ``k``.
+    """
+    dim = dim % packed.dim()
+    shifts = torch.tensor(_SHIFTS, dtype=torch.int32, device=packed.device)
+    nibbles = (packed.unsqueeze(-1) >> shifts) & 0xF  # [..., 8]: nibble j at index j
+    position_of = [0] * 8
+    for j, element in enumerate(order):
+        position_of[element] = j
+    nibbles = nibbles[..., position_of]  # [..., 8]: element e at index e
+    nibbles = nibbles.movedim(-1, dim + 1)  # the 8 elements right after the packed dim
+    shape = list(packed.shape)
+    shape[dim] *= 8
+    return nibbles.reshape(shape).to(torch.uint8)
+
+
+def pack_int4(values: torch.Tensor, dim: int, order: Sequence[int] = GPTQ_ORDER) -> torch.Tensor:
+    """Inverse of ``unpack_int4``: integers in [0, 16) -> int32, 8x shorter along ``dim``."""
+    dim = dim % values.dim()
+    if values.shape[dim] % 8:
+        raise ValueError(f"cannot pack {values.shape[dim]} int4 values along dim {dim}: not a multiple of 8")
+    if values.numel() and (int(values.min()) < 0 or int(values.max()) > 15):
+        raise ValueError("int4 values must lie in [0, 16)")
+    shape = list(values.shape)
+    shape[dim : dim + 1] = [shape[dim] // 8, 8]
+    grouped = values.to(torch.int64).reshape(shape).movedim(dim + 1, -1)  # [..., 8]: element e at index e
+    packed = torch.zeros(grouped.shape[:-1], dtype=torch.int64, device=values.device)
+    for j, element in enumerate(order):
+        packed |= grouped[..., element] << (4 * j)
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed)  # as two's-complement int32
+    return packed.to(torch.int32)
+
+
+# ------------------------------------------------------------------------------------------ sharded parameters
+def _check_shape(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(
+            f"{what}: shape mismatch: parameter {tuple(dst.shape)} vs checkpoint {tuple(src.shape)}"
+        )
+
+
+def _shard_id_ok(layer: Linear, shard_id: int | None) -> None:
+    if shard_id is not None and not 0 <= shard_id < len(layer.output_sizes):
+        raise ValueError(f"shard_id {shard_id} out of range for {len(layer.output_sizes)} shards")
+
+
+def _tag(param: nn.Parameter, layer: Linear, loader: WeightLoader, optional: bool = False) -> nn.Parameter:
+    param.weight_loader = loader
+    param.fused_weight_loader = loader  # a checkpoint holding the fused tensor: shard_id None
+    if layer.fused:
+        param.num_shards = len(layer.output_sizes)
+    if optional:
+        param.optional = True  # the loader's strict check allows it to stay at its initial value
+    return param
+
+
+def output_sharded_parameter(
+    layer: Linear, shape: Sequence[int], dtype: torch.dtype, output_dim: int, pack_factor: int = 1
+) -> nn.Parameter:
+    """A parameter with output channels along ``output_dim`` (``pack_factor`` channels per element).
+
+    ``weight_loader(param, loaded, shard_id=None)``: shard ``i`` goes to its slice along ``output_dim``;
+    ``None`` (an unfused layer, or a checkpoint holding the fused tensor) copies the whole parameter.
+    """
+    for size in layer.output_sizes:
+        if size % pack_factor:
+            raise ValueError(
+                f"output size {size} of a shard of {layer.output_sizes} is not a multiple of {pack_factor}, "
+                "as this packed format needs"
+            )
+    param = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+    def loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+        _shard_id_ok(layer, shard_id)
+        dst = param.data
+        if shard_id is not None:
+            offset = layer.shard_offsets[shard_id] // pack_factor
+            dst = dst.narrow(output_dim, offset, layer.output_sizes[shard_id] // pack_factor)
+        _check_shape(dst, loaded, "output-sharded parameter")
+        dst.copy_(loaded)
+
+    return _tag(param, layer, loader)
+
+
+def per_shard_parameter(
+    layer: Linear, inner_shape: Sequence[int], dtype: torch.dtype, optional: bool = False
+) -> nn.Parameter:
+    """A parameter ``[num_shards, *inner_shape]``: one value per checkpoint tensor (``num_shards`` is 1 for an
+    unfused layer). A fused checkpoint tensor (shard_id None) of ``inner_shape`` is copied to every shard."""
+    num_shards = len(layer.output_sizes)
+    param = nn.Parameter(torch.empty(num_shards, *inner_shape, dtype=dtype), requires_grad=False)
+
+    def loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+        _shard_id_ok(layer, shard_id)
+        if loaded.numel() == 1 and len(inner_shape) == 0:
+            loaded = loaded.reshape(())  # scalars are saved as [] or [1]
+        _check_shape(param.data[0], loaded, "per-shard parameter")
+        if shard_id is None:
+            param.data.copy_(loaded.unsqueeze(0).expand_as(param.data))
+        else:
+            param.data[shard_id].copy_(loaded)
+
+    return _tag(param, layer, loader, optional)

@@ -1,0 +1,265 @@
+"""FP8 (float8_e4m3fn) weights: ``quant_method: "fp8"`` checkpoints and online quantization (``quantization="fp8"``
+on a float checkpoint). ``compressed_tensors.py`` reuses ``Fp8LinearMethod`` for its float-quantized format.
+
+Checkpoint layouts of one ``nn.Linear(in, out)`` (the weight is always ``weight: [out, in] float8_e4m3fn``):
+
+- per-tensor (vLLM / AutoFP8 ``fp8``; compressed-tensors strategy ``tensor``): ``weight_scale`` is one float
+  (saved as ``[]`` or ``[1]``); ``W = weight * weight_scale``. A fused layer has one scale per source tensor,
+  kept exactly by expanding each to its shard's rows (no requantization).
+- per-channel (compressed-tensors strategy ``channel``; online): ``weight_scale: [out, 1]`` (or ``[out]``);
+  ``W[o] = weight[o] * weight_scale[o]``.
+- block-wise (``weight_block_size: [bn, bk]``, DeepSeek-V3 / transformers' FineGrainedFP8; compressed-tensors
+  strategy ``block``): ``weight_scale_inv: [ceil(out / bn), ceil(in / bk)]`` (``weight_scale`` in
+  compressed-tensors), ``W[o, i] = weight[o, i] * scale[o // bn, i // bk]`` (multiplied, despite the name).
+  Fused layers keep each shard's block rows, so shards need not be multiples of ``bn``.
+- ``activation_scheme: "static"`` adds ``input_scale`` (one float per source tensor), kept per shard.
+
+Online (``quantization="fp8"``, float checkpoint): each output row is quantized at load time,
+``s[o] = max(|w[o]|.max(), 1e-12) / 448``, ``weight[o] = e4m3(w[o] / s[o])`` (round to nearest), so float
+weights are never held in full.
+
+Activations: the PyTorch path (CPU, the oracle) is weight-only: it dequantizes the weight to float32 and runs
+``F.linear`` in the model dtype; activations are not quantized, and ``input_scale`` is loaded but unused. FP8
+activation quantization (dynamic per-token/per-tensor or static) belongs to the GPU path (``torch._scaled_mm``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.layers.linear import Linear, LinearMethod
+from pagedllm.quantization.base import (
+    QuantizationConfig,
+    _check_shape,
+    _get,
+    _shard_id_ok,
+    _tag,
+    is_ignored,
+    output_sharded_parameter,
+    per_shard_parameter,
+)
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+STRATEGIES = ("tensor", "channel", "block", "online")
+
+
+def quantize_fp8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Online quantization of ``weight: [rows, in]``: ``(e4m3 [rows, in], scale [rows] float32)`` as documented
+    in the module docstring."""
+    w = weight.to(torch.float32)
+    scale = w.abs().amax(dim=1).clamp_min(1e-12) / FP8_MAX  # [rows]
+    q = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)  # [rows, in]
+    return q, scale
+
+
+@dataclass
+class Fp8Config(QuantizationConfig):
+    name = "fp8"
+    strategy: str = "tensor"  # one of STRATEGIES
+    weight_block_size: tuple[int, int] | None = None
+    activation_scheme: str = "dynamic"  # "dynamic" | "static" (then input_scale tensors)
+    ignored_layers: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Fp8Config:
+        """A ``quant_method: "fp8"`` checkpoint (vLLM/AutoFP8 per-tensor, or block-wise with ``weight_block_size``)."""
+        fmt = _get(config, "fmt", default="e4m3")
+        if fmt != "e4m3":
+            raise ValueError(f"quantization_config.fmt: only 'e4m3' FP8 is supported, got {fmt!r}")
+        scheme = _get(config, "activation_scheme", default="dynamic")
+        if scheme not in ("dynamic", "static"):
+            raise ValueError(
+                f"quantization_config.activation_scheme must be 'dynamic' or 'static', got {scheme!r}"
+            )
+        block = _get(config, "weight_block_size")
+        if block is not None:
+            if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
+                raise ValueError(f"quantization_config.weight_block_size must be [bn, bk], got {block!r}")
+            if scheme == "static":
+                raise ValueError(
+                    "quantization_config.activation_scheme: 'static' with weight_block_size is not supported"
+                )
+        ignored = list(_get(config, "ignored_layers", default=[])) + list(
+            _get(config, "modules_to_not_convert", default=[])
+        )
+        return cls(
+            strategy="tensor" if block is None else "block",
+            weight_block_size=tuple(block) if block is not None else None,
+            activation_scheme=scheme,
+            ignored_layers=ignored,
+        )
+
+    @classmethod
+    def online(cls) -> Fp8Config:
+        """``quantization="fp8"`` on a float checkpoint: per-channel scales computed at load time."""
+        return cls(strategy="online")
+
+    def get_linear_method(
+        self, layer: Linear, prefix: str, checkpoint_names: list[str]
+    ) -> LinearMethod | None:
+        if is_ignored(prefix, checkpoint_names, self.ignored_layers, "ignored_layers"):
+            return None
+        scale_name = "weight_scale_inv" if self.strategy == "block" else "weight_scale"
+        return Fp8LinearMethod(
+            self.strategy, self.weight_block_size, self.activation_scheme == "static", scale_name
+        )
+
+
+class Fp8LinearMethod(LinearMethod):
+    """``weight: [out, in] float8_e4m3fn`` plus its scales (see the module docstring for each strategy)."""
+
+    def __init__(
+        self,
+        strategy: str,
+        block_size: tuple[int, int] | None = None,
+        static_input_scale: bool = False,
+        scale_name: str = "weight_scale",
+    ) -> None:
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown FP8 strategy {strategy!r}; choose from {STRATEGIES}")
+        if (strategy == "block") != (block_size is not None):
+            raise ValueError("FP8 block strategy needs a block size (and only it)")
+        self.strategy = strategy
+        self.block_size = block_size
+        self.static_input_scale = static_input_scale
+        self.scale_name = scale_name
+
+    def create_weights(self, layer: Linear) -> None:
+        out_size, in_size = layer.output_size, layer.input_size
+        if self.strategy == "online":
+            layer.weight = self._online_weight(layer)
+        else:
+            layer.weight = output_sharded_parameter(layer, (out_size, in_size), FP8_DTYPE, output_dim=0)
+            layer.weight.weight_loader = layer.weight.fused_weight_loader = _fp8_only(
+                layer.weight.weight_loader
+            )
+        if self.strategy == "block":
+            scale = self._block_scale(layer)
+        elif self.strategy == "online":
+            scale = _tag(nn.Parameter(torch.empty(out_size), requires_grad=False), layer, _no_loader, True)
+        else:
+            scale = self._row_scale(layer)
+        setattr(layer, self.scale_name, scale)
+        if self.static_input_scale:
+            layer.input_scale = per_shard_parameter(layer, (), torch.float32)  # [num_shards]
+
+    # -- parameters ----------------------------------------------------------------------------------------
+    def _online_weight(self, layer: Linear) -> nn.Parameter:
+        weight = nn.Parameter(
+            torch.empty(layer.output_size, layer.input_size, dtype=FP8_DTYPE), requires_grad=False
+        )
+
+        def loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+            _shard_id_ok(layer, shard_id)
+            start, size = (
+                (0, layer.output_size)
+                if shard_id is None
+                else (layer.shard_offsets[shard_id], layer.output_sizes[shard_id])
+            )
+            dst = param.data.narrow(0, start, size)
+            _check_shape(dst, loaded, "weight")
+            if not loaded.is_floating_point() or loaded.dtype == FP8_DTYPE:
+                raise ValueError(
+                    f"online FP8 quantization needs a float checkpoint weight, got {loaded.dtype}"
+                )
+            q, scale = quantize_fp8_per_channel(loaded.to(param.device))
+            dst.copy_(q)
+            layer.weight_scale.data.narrow(0, start, size).copy_(scale)
+
+        return _tag(weight, layer, loader)
+
+    def _row_scale(self, layer: Linear) -> nn.Parameter:
+        """``[out] float32``: per-tensor scales expanded to their shard's rows, or per-channel scales."""
+        scale = nn.Parameter(torch.empty(layer.output_size, dtype=torch.float32), requires_grad=False)
+        per_tensor = self.strategy == "tensor"
+
+        def loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+            _shard_id_ok(layer, shard_id)
+            start, size = (
+                (0, layer.output_size)
+                if shard_id is None
+                else (layer.shard_offsets[shard_id], layer.output_sizes[shard_id])
+            )
+            dst = param.data.narrow(0, start, size)
+            if per_tensor:
+                if loaded.numel() != 1:
+                    raise ValueError(
+                        f"per-tensor weight_scale must hold one value, got shape {tuple(loaded.shape)}"
+                    )
+                dst.fill_(loaded.reshape(()).to(torch.float32).item())
+            else:
+                if loaded.dim() == 2 and loaded.shape[1] == 1:
+                    loaded = loaded[:, 0]  # [rows, 1] -> [rows]
+                _check_shape(dst, loaded, "per-channel weight_scale")
+                dst.copy_(loaded)
+
+        return _tag(scale, layer, loader)
+
+    def _block_scale(self, layer: Linear) -> nn.Parameter:
+        """``[sum_i ceil(out_i / bn), ceil(in / bk)] float32``: each shard's block rows, stacked."""
+        bn, bk = self.block_size
+        rows = [math.ceil(size / bn) for size in layer.output_sizes]
+        row_offsets = [sum(rows[:i]) for i in range(len(rows))]
+        layer.block_row_offsets = row_offsets
+        cols = math.ceil(layer.input_size / bk)
+        scale = nn.Parameter(torch.empty(sum(rows), cols, dtype=torch.float32), requires_grad=False)
+        aligned = all(size % bn == 0 for size in layer.output_sizes)
+
+        def loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+            _shard_id_ok(layer, shard_id)
+            if shard_id is None:
+                if len(rows) > 1 and not aligned:
+                    raise ValueError(
+                        f"a fused block-scale tensor cannot be split: shard sizes {layer.output_sizes} are not "
+                        f"multiples of the block size {bn}"
+                    )
+                dst = param.data
+            else:
+                dst = param.data.narrow(0, row_offsets[shard_id], rows[shard_id])
+            _check_shape(dst, loaded, "block weight scale")
+            dst.copy_(loaded)
+
+        return _tag(scale, layer, loader)
+
+    # -- compute -------------------------------------------------------------------------------------------
+    def dequantize(self, layer: Linear) -> torch.Tensor:  # [out, in] float32
+        weight = layer.weight.to(torch.float32)  # [out, in]
+        scale = getattr(layer, self.scale_name)
+        if self.strategy != "block":
+            return weight * scale[:, None]  # scale [out]
+        bn, bk = self.block_size
+        pieces = []
+        for start, size, row0 in zip(
+            layer.shard_offsets, layer.output_sizes, layer.block_row_offsets, strict=True
+        ):
+            block = scale[row0 : row0 + math.ceil(size / bn)]  # [ceil(size / bn), ceil(in / bk)]
+            full = block.repeat_interleave(bn, dim=0)[:size].repeat_interleave(bk, dim=1)[
+                :, : layer.input_size
+            ]
+            pieces.append(weight[start : start + size] * full)  # [size, in]
+        return torch.cat(pieces, dim=0)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantize(layer).to(x.dtype), layer.bias)
+
+
+def _fp8_only(loader):
+    def checked(param: torch.Tensor, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+        if loaded.dtype != FP8_DTYPE:
+            raise ValueError(f"expected a float8_e4m3fn weight, got {loaded.dtype}")
+        loader(param, loaded, shard_id)
+
+    return checked
+
+
+def _no_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+    raise ValueError(
+        "this scale is computed from the float weight when quantizing online; the checkpoint has one"
+    )
