@@ -106,9 +106,8 @@ class ModelConfig:
         elif not isinstance(self.max_model_len, int) or self.max_model_len < 1:
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
         elif self.max_model_len > derived:
-            why = " (its sliding window: not implemented yet)" if derived == self.sliding_window else ""
             raise ValueError(
-                f"max_model_len ({self.max_model_len}) is larger than the model's maximum context ({derived}){why}"
+                f"max_model_len ({self.max_model_len}) is larger than the model's maximum context ({derived})"
             )
         if self.served_model_name is None:
             self.served_model_name = self.model
@@ -134,15 +133,14 @@ class ModelConfig:
         return _DTYPES[dtype]
 
     def derived_max_model_len(self) -> int:
-        """The longest context served exactly: the model's positions, capped at its sliding window (attention
-        over a sliding window is not implemented yet: within the window it equals full attention)."""
-        limit = int(getattr(self.hf_config, "max_position_embeddings", 2048) or 2048)
-        window = self.sliding_window
-        return min(limit, window) if window else limit
+        """The longest context served: the model's positions (``max_position_embeddings``). A sliding window does
+        not cap it: the attention backends apply the window (per layer, see ``pagedllm/attention/base.py``)."""
+        return int(getattr(self.hf_config, "max_position_embeddings", 2048) or 2048)
 
     @property
     def sliding_window(self) -> int | None:
-        """The attention window when the model uses one (Qwen2/3 configs carry one they do not use)."""
+        """The attention window when the model uses one (Qwen2/3 configs carry one they do not use). Which layers
+        use it is the model's business (``layer_types``; see ``pagedllm/models/llama.py``)."""
         window = getattr(self.hf_config, "sliding_window", None)
         if not window or getattr(self.hf_config, "use_sliding_window", True) is False:
             return None

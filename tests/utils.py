@@ -88,7 +88,10 @@ _CHAT_TEMPLATE = (
 )
 
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
-TINY_ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma", "phi3")
+TINY_ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gemma2", "gemma3")
+# Sliding windows of the tiny models that have one: far shorter than test prompts + generations (60+ tokens), so
+# the window changes the outputs. (qwen2 and qwen3 take one with use_sliding_window=True, sliding_window=W.)
+TINY_WINDOWS = {"mistral": 16, "phi3": 32, "gemma2": 16, "gemma3": 16}
 
 
 @functools.lru_cache(maxsize=1)
@@ -134,7 +137,16 @@ def train_tiny_tokenizer() -> PreTrainedTokenizerFast:
 
 def _tiny_config(arch: str, vocab_size: int, bos_id: int, eos_id: int, pad_id: int, **overrides):
     import transformers
-    from transformers import GemmaConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+    from transformers import (
+        Gemma2Config,
+        Gemma3TextConfig,
+        GemmaConfig,
+        LlamaConfig,
+        MistralConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     common = dict(
         vocab_size=vocab_size,
@@ -155,6 +167,8 @@ def _tiny_config(arch: str, vocab_size: int, bos_id: int, eos_id: int, pad_id: i
     rope_scaling = None
     if arch in ("llama", "mistral", "qwen2"):
         cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[arch]
+        if arch == "mistral":
+            common["sliding_window"] = TINY_WINDOWS[arch]  # every layer
     elif arch == "llama3":
         cls = LlamaConfig
         theta = 500000.0
@@ -176,10 +190,37 @@ def _tiny_config(arch: str, vocab_size: int, bos_id: int, eos_id: int, pad_id: i
         common["tie_word_embeddings"] = True  # as every Gemma checkpoint
     elif arch == "phi3":
         cls = Phi3Config  # checkpoints hold fused qkv_proj and gate_up_proj
-        common["sliding_window"] = 256  # < max_position_embeddings: the engine caps max_model_len there
+        common["sliding_window"] = TINY_WINDOWS[arch]  # every layer
+    elif arch == "gemma2":
+        cls = Gemma2Config
+        common["head_dim"] = 32
+        common["hidden_act"] = common["hidden_activation"] = "gelu_pytorch_tanh"
+        common["tie_word_embeddings"] = True
+        common["sliding_window"] = TINY_WINDOWS[arch]  # layer_types default: layer 0 sliding, layer 1 global
+        common["query_pre_attn_scalar"] = 24  # != head_dim: the scale must come from it
+        # Caps low enough that tanh bends the tiny model's scores and logits (real: 50 and 30).
+        common["attn_logit_softcapping"] = 4.0
+        common["final_logit_softcapping"] = 6.0
+    elif arch == "gemma3":
+        cls = Gemma3TextConfig  # text-only Gemma3ForCausalLM
+        common["head_dim"] = 32
+        common["hidden_act"] = common["hidden_activation"] = "gelu_pytorch_tanh"
+        common["tie_word_embeddings"] = True
+        common["sliding_window"] = TINY_WINDOWS[arch]
+        common["layer_types"] = ["sliding_attention", "full_attention"]  # real models: 5 local, 1 global
+        common["query_pre_attn_scalar"] = 24
     else:
         raise ValueError(f"unknown tiny arch {arch!r}; choose from {TINY_ARCHS}")
-    if int(transformers.__version__.split(".")[0]) >= 5:
+    if arch == "gemma3":  # local layers: their own theta, no scaling; global: linear scaling, as Gemma 3 4B+
+        if int(transformers.__version__.split(".")[0]) >= 5:
+            common["rope_parameters"] = {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
+            }
+        else:
+            common.update(rope_theta=1000000.0, rope_local_base_freq=10000.0)
+            common["rope_scaling"] = {"rope_type": "linear", "factor": 4.0}
+    elif int(transformers.__version__.split(".")[0]) >= 5:
         common["rope_parameters"] = {"rope_type": "default", **(rope_scaling or {}), "rope_theta": theta}
     else:
         common["rope_theta"] = theta
@@ -198,7 +239,9 @@ def make_tiny_model(
 ) -> str:
     """Save a tiny random HF checkpoint (+ tokenizer) of ``arch`` to ``path``; return the directory.
 
-    ``arch``: llama, llama3 (llama3 rope scaling), mistral, qwen2 (qkv bias), qwen3 (q/k norm, head_dim 32).
+    ``arch``: llama, llama3 (llama3 rope scaling), mistral (sliding window 16), qwen2 (qkv bias), qwen3 (q/k norm,
+    head_dim 32), gemma, phi3 (fused checkpoint, window 32), gemma2 (window 16 on layer 0, soft-caps), gemma3
+    (text only; window 16 on layer 0, q/k norms, local rope theta, linear rope scaling on the global layer).
     hidden 64, 2 layers, 4 heads, 2 kv heads, intermediate 128, 512 positions, vocab = tokenizer size.
     Weights are seeded (same arch + options -> same weights) and larger than HF's init (std 0.15, norm
     weights around 1, random biases) so greedy generation moves around instead of repeating one token.

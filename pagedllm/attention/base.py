@@ -11,6 +11,16 @@ Token / block layout for one step (three requests, block_size 4)::
 The KV cache of one layer is one tensor ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (index 0 keys,
 index 1 values). A query token of request r at position p attends to r's keys at positions 0..p (causal),
 which are the first p+1 slots along r's block table once this step's keys have been written.
+
+Per-layer options of ``AttentionBackend.forward`` (fixed when the model is built, not per step):
+
+* ``sliding_window`` W: the query at position p sees only keys at positions k with ``p - W < k <= p`` (W keys,
+  itself included), as transformers' ``sliding_window_causal_mask_function`` does. Only the attention is
+  windowed: the KV cache still holds (and the block table still lists) every block of the sequence, including
+  blocks wholly behind the window; nothing is freed early. So prefix caching, chunked prefill and preemption
+  work exactly as without a window, at the cost of memory a window-aware allocator could give back.
+* ``logits_soft_cap`` c: the scaled scores ``s`` become ``c * tanh(s / c)`` before masking and the softmax
+  (Gemma 2).
 """
 
 from __future__ import annotations
@@ -49,6 +59,8 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,  # see the module docstring; None = full causal attention
+        logits_soft_cap: float | None = None,  # see the module docstring; None = no capping
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
 

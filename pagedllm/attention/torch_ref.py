@@ -1,7 +1,8 @@
 """Pure-PyTorch paged attention: the CPU path and the oracle that faster kernels are tested against.
 
 Written for clarity first: one loop over requests (driven by host-side lengths), each request's context
-gathered through its block table, then a masked SDPA in float32. See ``base.py`` for the cache layout.
+gathered through its block table, then a masked SDPA in float32. See ``base.py`` for the cache layout, and for
+what ``sliding_window`` and ``logits_soft_cap`` mean.
 """
 
 from __future__ import annotations
@@ -36,6 +37,31 @@ def write_kv_cache_ref(
     value_cache[valid_slots] = value[valid].to(value_cache.dtype)
 
 
+def _attend(
+    q: torch.Tensor,  # [B, num_heads, query_len, head_dim]
+    k: torch.Tensor,  # [B, num_kv_heads, key_len, head_dim]
+    v: torch.Tensor,  # [B, num_kv_heads, key_len, head_dim]
+    mask: torch.Tensor | None,  # bool, broadcastable to [B, num_heads, query_len, key_len]; True = attend
+    scale: float,
+    logits_soft_cap: float | None,
+) -> torch.Tensor:  # [B, num_heads, query_len, head_dim]
+    """Softmax attention; with ``logits_soft_cap`` the scores become ``cap * tanh(scores / cap)`` before the
+    mask and the softmax (SDPA cannot do that, so that case is computed by hand). Every row must see a key."""
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    if logits_soft_cap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads
+        )
+    if num_heads != num_kv_heads:
+        k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)  # [B, num_heads, key_len, head_dim]
+        v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)  # [B, num_heads, key_len, head_dim]
+    scores = q @ k.transpose(-1, -2) * scale  # [B, num_heads, query_len, key_len]
+    scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
 def _paged_attention(
     query: torch.Tensor,  # [T, num_heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -44,6 +70,8 @@ def _paged_attention(
     seq_lens: list[int],  # [num_reqs] context length of each request (its keys already in the cache)
     query_start_loc: list[int],  # [num_reqs + 1]
     scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:  # [T, num_heads, head_dim]; rows past query_start_loc[-1] (padding) are zero
     num_heads = query.shape[1]
     block_size, num_kv_heads, head_dim = key_cache.shape[1:]
@@ -55,8 +83,9 @@ def _paged_attention(
     decodes = [r for r, s in enumerate(seq_lens) if query_start_loc[r + 1] - query_start_loc[r] == 1]
     if len(decodes) > 1:
         _decode_batched(
-            query, key_cache, value_cache, block_table, seq_lens, query_start_loc, decodes, scale, out
-        )
+            query, key_cache, value_cache, block_table, seq_lens, query_start_loc, decodes, scale, out,
+            sliding_window, logits_soft_cap,
+        )  # fmt: skip
     decode_set = set(decodes) if len(decodes) > 1 else set()
     for r, seq_len in enumerate(seq_lens):
         q_start, q_end = query_start_loc[r], query_start_loc[r + 1]
@@ -65,24 +94,30 @@ def _paged_attention(
             continue
         if query_len > seq_len:
             raise ValueError(f"request {r}: query_len {query_len} > seq_len {seq_len}")
+        # Keys before k_start are outside every query's window: not even gathered.
+        k_start = 0 if sliding_window is None else max(0, seq_len - query_len - sliding_window + 1)
+        first_block = k_start // block_size
         num_blocks = (seq_len + block_size - 1) // block_size
-        block_ids = block_table[r, :num_blocks].long()  # [num_blocks]
-        k = key_cache[block_ids].flatten(0, 1)[:seq_len]  # [seq_len, num_kv_heads, head_dim]
-        v = value_cache[block_ids].flatten(0, 1)[:seq_len]  # [seq_len, num_kv_heads, head_dim]
+        block_ids = block_table[r, first_block:num_blocks].long()  # [num_blocks - first_block]
+        base = first_block * block_size  # position of the first gathered slot
+        keep = slice(k_start - base, seq_len - base)  # L = seq_len - k_start keys
+        k = key_cache[block_ids].flatten(0, 1)[keep]  # [L, num_kv_heads, head_dim]
+        v = value_cache[block_ids].flatten(0, 1)[keep]  # [L, num_kv_heads, head_dim]
         # GQA: query head h reads kv head h // group.
-        k = k.to(acc_dtype).repeat_interleave(group, dim=1).transpose(0, 1)  # [num_heads, seq_len, head_dim]
-        v = v.to(acc_dtype).repeat_interleave(group, dim=1).transpose(0, 1)  # [num_heads, seq_len, head_dim]
+        k = k.to(acc_dtype).repeat_interleave(group, dim=1).transpose(0, 1)  # [num_heads, L, head_dim]
+        v = v.to(acc_dtype).repeat_interleave(group, dim=1).transpose(0, 1)  # [num_heads, L, head_dim]
         q = query[q_start:q_end].to(acc_dtype).transpose(0, 1)  # [num_heads, query_len, head_dim]
-        # Query i sits at position seq_len - query_len + i and sees keys at positions <= it.
-        if query_len == 1:  # a decode sees the whole context: no mask needed
+        # Query i sits at position seq_len - query_len + i and sees keys at positions <= it (and, with a
+        # window W, at positions > it - W).
+        if query_len == 1 and sliding_window is None:  # a decode sees the whole context: no mask needed
             mask = None
         else:
             q_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)  # [query_len]
-            k_pos = torch.arange(seq_len, device=query.device)  # [seq_len]
-            mask = k_pos[None, :] <= q_pos[:, None]  # [query_len, seq_len], True = attend
-        o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=scale
-        )  # [num_heads, query_len, head_dim]
+            k_pos = torch.arange(k_start, seq_len, device=query.device)  # [L]
+            mask = k_pos[None, :] <= q_pos[:, None]  # [query_len, L], True = attend
+            if sliding_window is not None:
+                mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
+        o = _attend(q[None], k[None], v[None], mask, scale, logits_soft_cap)[0]  # [num_heads, query_len, hd]
         out[q_start:q_end] = o.transpose(0, 1).to(out.dtype)
     return out
 
@@ -97,10 +132,12 @@ def _decode_batched(
     reqs: list[int],  # requests with exactly one query token
     scale: float,
     out: torch.Tensor,  # [T, num_heads, head_dim], written at those requests' rows
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> None:
-    """All one-token queries in one padded SDPA call (the CPU decode path): keys past a request's length masked."""
+    """All one-token queries in one padded SDPA call (the CPU decode path): keys past a request's length masked
+    (and, with a window W, keys at positions <= len - 1 - W)."""
     block_size, num_kv_heads, head_dim = key_cache.shape[1:]
-    num_heads = query.shape[1]
     acc_dtype = torch.promote_types(query.dtype, torch.float32)
     lens = torch.tensor([seq_lens[r] for r in reqs])  # [R]
     max_len = int(lens.max())
@@ -116,15 +153,17 @@ def _decode_batched(
     blocks = blocks.masked_fill(~own.to(blocks.device), 0)
     k = key_cache[blocks].flatten(1, 2)[:, :max_len].to(acc_dtype)  # [R, L, num_kv_heads, head_dim]
     v = value_cache[blocks].flatten(1, 2)[:, :max_len].to(acc_dtype)  # [R, L, num_kv_heads, head_dim]
-    mask = torch.arange(max_len, device=query.device)[None, :] < lens.to(query.device)[:, None]  # [R, L]
+    k_pos = torch.arange(max_len, device=query.device)[None, :]  # [1, L]
+    mask = k_pos < lens.to(query.device)[:, None]  # [R, L]
+    if sliding_window is not None:  # the query sits at position len - 1
+        mask &= k_pos > lens.to(query.device)[:, None] - 1 - sliding_window
     # Slots past a request's length may hold anything (NaN in a fresh or poisoned cache); 0 * NaN would leak.
+    # (Slots behind a window are zeroed too: they are never read, as in the Triton kernel.)
     k = k.masked_fill(~mask[:, :, None, None], 0.0).transpose(1, 2)  # [R, num_kv_heads, L, head_dim]
     v = v.masked_fill(~mask[:, :, None, None], 0.0).transpose(1, 2)  # [R, num_kv_heads, L, head_dim]
     q = query[tokens].to(acc_dtype).unsqueeze(2)  # [R, num_heads, 1, head_dim]
     # GQA without copying keys per query head: query head h reads kv head h // (num_heads // num_kv_heads).
-    o = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=num_heads != num_kv_heads
-    )  # [R, num_heads, 1, head_dim]
+    o = _attend(q, k, v, mask[:, None, None, :], scale, logits_soft_cap)  # [R, num_heads, 1, head_dim]
     out[tokens] = o.squeeze(2).to(out.dtype)
 
 
@@ -136,13 +175,17 @@ def paged_attention_ref(
     seq_lens: torch.Tensor,  # [num_reqs] int, context length per request (including this step's tokens)
     query_start_loc: torch.Tensor,  # [num_reqs + 1] int, cumulative query lengths into ``query``
     scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:  # [T, num_heads, head_dim], query dtype
     """Causal attention of each request's query tokens over its paged context; does not write the cache.
 
     Request ``r`` owns query rows ``query_start_loc[r]:query_start_loc[r+1]`` (``query_len`` of them) and
     context positions ``0..seq_lens[r]-1``, position ``p`` stored at ``block_table[r, p // block_size]``,
     offset ``p % block_size``. Its query row ``i`` sits at position ``seq_lens[r] - query_len + i`` and
-    attends to keys at positions ``<=`` that. Computed in float32 (float64 for float64 inputs).
+    attends to keys at positions ``<=`` that and, given ``sliding_window`` W, ``> position - W`` (W keys,
+    itself included: transformers' convention). Given ``logits_soft_cap`` c, the scaled scores become
+    ``c * tanh(scores / c)`` before masking and softmax. Computed in float32 (float64 for float64 inputs).
     GQA: query head ``h`` uses kv head ``h // (num_heads // num_kv_heads)``. Rows past
     ``query_start_loc[-1]`` (padding) are zero. Host-syncs on ``seq_lens``/``query_start_loc`` (test oracle).
     """
@@ -154,6 +197,8 @@ def paged_attention_ref(
         seq_lens.tolist(),
         query_start_loc.tolist(),
         scale,
+        sliding_window,
+        logits_soft_cap,
     )
 
 
@@ -170,6 +215,8 @@ class TorchAttentionBackend:
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         write_kv_cache_ref(key, value, kv_cache, metadata.slot_mapping)
         return _paged_attention(
@@ -180,4 +227,6 @@ class TorchAttentionBackend:
             metadata.seq_lens_cpu.tolist(),
             metadata.query_start_loc_cpu.tolist(),
             scale,
+            sliding_window,
+            logits_soft_cap,
         )

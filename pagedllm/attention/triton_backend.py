@@ -25,6 +25,8 @@ class TritonAttentionBackend:
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; padding rows (past metadata.num_tokens) zero
         reshape_and_cache(key, value, kv_cache, metadata.slot_mapping)
         out = paged_attention(
@@ -37,6 +39,8 @@ class TritonAttentionBackend:
             metadata.num_reqs,
             metadata.max_query_len,
             metadata.max_seq_len,
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
         )
         if query.shape[0] > metadata.num_tokens:
             out[metadata.num_tokens :].zero_()  # the kernel leaves padding rows unwritten

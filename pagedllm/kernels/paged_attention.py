@@ -25,6 +25,16 @@ key range is cut into ``num_splits`` equal runs of tiles (computed in the kernel
 output with its running max and sum to fp32 scratch and a second kernel merges them. See
 :func:`num_kv_splits` for the rule.
 
+Sliding window and soft-cap (per layer, see ``pagedllm/attention/base.py``). With a window W, the query at
+position p sees keys ``p - W < k <= p``. A q tile whose queries sit at positions ``p0 .. p1`` then walks key
+tiles from the one holding ``p0 - W + 1`` only: tiles wholly behind the window are never loaded (that is the
+speed-up: a decode reads about W keys, not ``seq_len``). Key tiles come in up to three runs: a masked run
+partly behind the window of some row, a mask-free run every row sees whole (keys ``>= p1 - W + 1`` and
+``<= p0``), and a masked run over the causal diagonal and ``kv_end``. Without a window the first run is empty and
+the kernel is the plain causal one. Split-K divides the walked tiles only. The soft-cap turns the scaled score
+``s`` into ``cap * tanh(s / cap)`` on every tile (masked or not), before the mask. Blocks behind the window are
+still allocated and listed in the block table; the kernel just does not read them.
+
 CUDA graphs. The launcher reads only Python ints and never syncs. The attention grid is
 ``(num_kv_heads, num_q_tiles, num_splits)`` with ``num_q_tiles`` as above (``BLOCK_Q`` from
 :func:`tile_config`, a function of ``max_query_len``, the group, head_dim and dtype) and
@@ -48,6 +58,7 @@ import triton.language as tl
 _SPLIT_MIN_KEYS = 256  # fewest keys one split should walk
 _MAX_SPLITS = 32
 _PROGRAMS_PER_SM = 4  # aim for this many programs per SM before splitting stops paying
+_LOG2E = 1.4426950408889634
 
 
 @functools.lru_cache(maxsize=8)
@@ -73,13 +84,29 @@ def num_kv_splits(num_q_tiles: int, num_kv_heads: int, max_seq_len: int, num_sms
 
 
 @triton.jit
+def _tanh(x):
+    """tanh in fp32 from exp2 (portable: no libdevice, runs in the interpreter). A short odd series near 0,
+    where ``(1 - e) / (1 + e)`` would lose digits to cancellation."""
+    ax = tl.abs(x)
+    e = tl.math.exp2(ax * -2.8853900817779268)  # exp(-2|x|)
+    big = (1.0 - e) / (1.0 + e)
+    x2 = x * x
+    small = ax * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * -0.05396825396825397)))
+    t = tl.where(ax < 0.125, small, big)
+    return tl.where(x < 0.0, -t, t)
+
+
+@triton.jit
 def _attend_tile(
-    q, m_i, l_i, acc, t, q_pos, kv_end, qk_scale, block_table_row, kv_cache_ptr, v_cache_ptr, kv_head_off,
-    stride_cb, stride_cs, offs_d,
+    q, m_i, l_i, acc, t, q_pos, kv_end, qk_scale, cap_log2, window, block_table_row, kv_cache_ptr, v_cache_ptr,
+    kv_head_off, stride_cb, stride_cs, offs_d,
     TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr,
+    SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr,
 ):  # fmt: skip
-    """One key tile of the online softmax. MASKED: the tile may hold keys past ``kv_end`` or after a row's own
-    position (the causal diagonal); otherwise every key is visible to every row and no mask is built."""
+    """One key tile of the online softmax. MASKED: the tile may hold keys past ``kv_end``, after a row's own
+    position (the causal diagonal) or, with SLIDING, at or behind a row's ``q_pos - window``; otherwise every
+    key is visible to every row and no mask is built. SOFT_CAP: scores are ``cap_log2 * tanh(dot * qk_scale)``
+    (``qk_scale`` = scale / cap), else ``dot * qk_scale`` (``qk_scale`` = scale * log2(e))."""
     offs_n = t * TILE_N + tl.arange(0, TILE_N)
     if MASKED:
         n_valid = offs_n < kv_end
@@ -91,9 +118,13 @@ def _attend_tile(
         k = tl.load(kv_cache_ptr + slot_off[None, :] + offs_d[:, None], mask=n_valid[None, :], other=0.0)
     else:
         k = tl.load(kv_cache_ptr + slot_off[None, :] + offs_d[:, None])  # [HEAD_DIM, TILE_N]
-    s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
+    s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N], log2 units
+    if SOFT_CAP:
+        s = cap_log2 * _tanh(s)
     if MASKED:
         visible = n_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        if SLIDING:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.math.exp2(m_i - m_new)
@@ -119,7 +150,9 @@ def _paged_attention_kernel(
     query_start_loc_ptr,  # [num_reqs + 1] int32
     num_reqs,
     part_ml_stride,  # num_tokens * num_heads * NUM_SPLITS
-    qk_scale,  # softmax scale * log2(e)
+    qk_scale,  # softmax scale * log2(e); with SOFT_CAP: softmax scale / cap
+    cap_log2,  # with SOFT_CAP: cap * log2(e) (else unused)
+    window,  # with SLIDING: the window W (else unused)
     stride_qt,
     stride_qh,
     stride_ot,
@@ -140,6 +173,8 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     PURE_DECODE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, else "tf32" (ignored for 16-bit inputs)
+    SLIDING: tl.constexpr,  # keys at or behind q_pos - window are invisible
+    SOFT_CAP: tl.constexpr,  # tanh soft-cap on the scores
 ):
     kv_head = tl.program_id(0)
     tile_id = tl.program_id(1)
@@ -187,15 +222,23 @@ def _paged_attention_kernel(
         other=0.0,
     )
 
-    # Keys [0, kv_end) are visible to the last query of this tile.
+    # Keys [0, kv_end) are visible to the last query of this tile (at position kv_end - 1), and with a window
+    # keys from q_first - window + 1 on to the first one (at position q_first).
     kv_end = tl.minimum(seq_len, ctx_len + tl.minimum(q_tok0 + BLOCK_Q, q_len))
+    q_first = ctx_len + q_tok0
     num_tiles = tl.cdiv(kv_end, TILE_N)
+    if SLIDING:
+        tile_start = tl.maximum(q_first - window + 1, 0) // TILE_N  # first tile any row sees
+        full_lo = tl.cdiv(tl.maximum(kv_end - window, 0), TILE_N)  # first tile inside every row's window
+    else:
+        tile_start = 0
+        full_lo = 0
     if NUM_SPLITS > 1:
-        tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-        tile_lo = split * tiles_per_split
+        tiles_per_split = tl.cdiv(num_tiles - tile_start, NUM_SPLITS)
+        tile_lo = tile_start + split * tiles_per_split
         tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
     else:
-        tile_lo = 0
+        tile_lo = tile_start
         tile_hi = num_tiles
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: keeps fully masked rows NaN-free
@@ -205,17 +248,31 @@ def _paged_attention_kernel(
     kv_head_off = kv_head * stride_ch
     v_cache_ptr = kv_cache_ptr + stride_kv
 
-    # Tiles below n_full hold only keys every row of the tile may see: no causal or length mask there.
-    n_full = (ctx_len + q_tok0 + 1) // TILE_N
-    for t in range(tile_lo, tl.minimum(tile_hi, n_full)):
+    # Tiles [f_lo, f_hi) hold only keys every row of the tile may see: no causal, window or length mask
+    # there. Below n_full every key is at or before the first row's position; from full_lo on every key is
+    # inside the last row's window. Tiles [tile_start, f_lo) (window edge) and [f_hi, num_tiles) (diagonal) are
+    # masked.
+    n_full = (q_first + 1) // TILE_N
+    f_lo = tl.maximum(tile_start, full_lo)
+    f_hi = tl.maximum(f_lo, n_full)
+    if SLIDING:
+        for t in range(tile_lo, tl.minimum(tile_hi, f_lo)):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, t, q_pos, kv_end, qk_scale, cap_log2, window, block_table_row, kv_cache_ptr,
+                v_cache_ptr, kv_head_off, stride_cb, stride_cs, offs_d, TILE_N, BLOCK_SIZE, DOT_PRECISION,
+                True, SLIDING, SOFT_CAP,
+            )  # fmt: skip
+    for t in range(tl.maximum(tile_lo, f_lo), tl.minimum(tile_hi, f_hi)):
         m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, t, q_pos, kv_end, qk_scale, block_table_row, kv_cache_ptr, v_cache_ptr,
-            kv_head_off, stride_cb, stride_cs, offs_d, TILE_N, BLOCK_SIZE, DOT_PRECISION, False,
+            q, m_i, l_i, acc, t, q_pos, kv_end, qk_scale, cap_log2, window, block_table_row, kv_cache_ptr,
+            v_cache_ptr, kv_head_off, stride_cb, stride_cs, offs_d, TILE_N, BLOCK_SIZE, DOT_PRECISION,
+            False, SLIDING, SOFT_CAP,
         )  # fmt: skip
-    for t in range(tl.maximum(tile_lo, n_full), tile_hi):
+    for t in range(tl.maximum(tile_lo, f_hi), tile_hi):
         m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, t, q_pos, kv_end, qk_scale, block_table_row, kv_cache_ptr, v_cache_ptr,
-            kv_head_off, stride_cb, stride_cs, offs_d, TILE_N, BLOCK_SIZE, DOT_PRECISION, True,
+            q, m_i, l_i, acc, t, q_pos, kv_end, qk_scale, cap_log2, window, block_table_row, kv_cache_ptr,
+            v_cache_ptr, kv_head_off, stride_cb, stride_cs, offs_d, TILE_N, BLOCK_SIZE, DOT_PRECISION,
+            True, SLIDING, SOFT_CAP,
         )  # fmt: skip
 
     if NUM_SPLITS == 1:
@@ -300,11 +357,14 @@ def paged_attention(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     num_splits: int | None = None,  # override the split-K rule (tests); a power of two
     config: tuple[int, int, int, int, int] | None = None,  # override tile_config (benchmark sweeps)
+    sliding_window: int | None = None,  # W: query at p sees keys p - W < k <= p; None = full causal
+    logits_soft_cap: float | None = None,  # c: scores -> c * tanh(scores / c) before the softmax
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of ``query`` over the paged cache (this step's keys must already be written).
 
     Rows past ``query_start_loc[num_reqs]`` (padding) are left unwritten. No host sync: the grid comes
-    from ``query.shape[0]``, ``num_reqs``, ``max_query_len`` and ``max_seq_len`` (see module docstring).
+    from ``query.shape[0]``, ``num_reqs``, ``max_query_len``, ``max_seq_len`` and ``sliding_window`` (see module
+    docstring).
     """
     num_tokens, num_heads, head_dim = query.shape
     assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2, f"bad kv_cache shape {tuple(kv_cache.shape)}"
@@ -318,6 +378,8 @@ def paged_attention(
     assert query.stride(2) == 1 and kv_cache.stride(4) == 1, "head_dim must be contiguous"
     assert block_table.dtype == seq_lens.dtype == query_start_loc.dtype == torch.int32
     assert block_table.stride(1) == 1
+    assert sliding_window is None or sliding_window >= 1, f"sliding_window {sliding_window}"
+    assert logits_soft_cap is None or logits_soft_cap > 0, f"logits_soft_cap {logits_soft_cap}"
     if out is None:
         out = torch.empty_like(query)
     if num_tokens == 0 or num_reqs == 0:
@@ -329,7 +391,9 @@ def paged_attention(
     pure_decode = max_query_len <= 1
     num_q_tiles = num_reqs if pure_decode else num_tokens // block_q + num_reqs
     if num_splits is None:
-        num_splits = num_kv_splits(num_q_tiles, num_kv_heads, max_seq_len, _num_sms(query.device))
+        # A q tile walks at most window + BLOCK_Q - 1 keys: split for that, not for the whole context.
+        keys = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window + block_q - 1)
+        num_splits = num_kv_splits(num_q_tiles, num_kv_heads, keys, _num_sms(query.device))
     assert num_splits >= 1 and num_splits & (num_splits - 1) == 0, f"num_splits {num_splits}"
 
     if num_splits > 1:
@@ -354,7 +418,9 @@ def paged_attention(
         query_start_loc,
         num_reqs,
         part_ml_stride,
-        scale * 1.4426950408889634,
+        scale / logits_soft_cap if logits_soft_cap else scale * _LOG2E,
+        logits_soft_cap * _LOG2E if logits_soft_cap else 0.0,
+        sliding_window or 0,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -375,6 +441,8 @@ def paged_attention(
         NUM_SPLITS=num_splits,
         PURE_DECODE=pure_decode,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        SLIDING=sliding_window is not None,
+        SOFT_CAP=logits_soft_cap is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -404,8 +472,13 @@ def paged_attention_ref(
     seq_lens: torch.Tensor,  # [num_reqs] int32
     query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
     scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """PyTorch twin of :func:`paged_attention`: the reference in ``pagedllm.attention.torch_ref``."""
     from pagedllm.attention.torch_ref import paged_attention_ref as ref
 
-    return ref(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale)
+    return ref(
+        query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale, sliding_window,
+        logits_soft_cap,
+    )  # fmt: skip

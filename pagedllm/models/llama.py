@@ -1,6 +1,7 @@
 """Llama-family decoder models: Llama (2, 3, 3.1 rope scaling), Mistral, Qwen2 (= Llama + q/k/v bias), Phi-3.
 
-Variants differ only in their attention block (``attention_cls``); everything else is shared.
+Variants differ only in their attention block (``attention_cls``); everything else is shared. That block also
+says which layers attend over a sliding window (``LlamaAttention.layer_sliding_window``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,27 @@ def head_dim_of(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def config_sliding_window(config: Any) -> int | None:
+    """The config's window, or None when it has none or switches it off (``use_sliding_window: false``, as
+    Qwen2/3 configs do while still carrying a ``sliding_window`` value)."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    return int(window)
+
+
+def layer_types_sliding_window(config: Any, layer_idx: int, default_sliding: bool) -> int | None:
+    """The window of layer ``layer_idx`` when the config lists per-layer attention kinds, as transformers does:
+    ``layer_types[i] == "sliding_attention"`` slides, ``"full_attention"`` does not. Configs without
+    ``layer_types`` (older transformers) fall back to ``default_sliding``, the model's own rule."""
+    window = config_sliding_window(config)
+    if window is None:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    sliding = layer_types[layer_idx] == "sliding_attention" if layer_types else default_sliding
+    return window if sliding else None
+
+
 class LlamaAttention(nn.Module):
     def __init__(
         self, config: Any, layer_idx: int, attn_backend: AttentionBackend, rotary_emb: RotaryEmbedding
@@ -38,8 +60,19 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, o_bias)
         self.rotary_emb = rotary_emb  # shared by all layers
         self.attn = Attention(
-            self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, attn_backend, layer_idx
+            self.num_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            self.num_kv_heads,
+            attn_backend,
+            layer_idx,
+            sliding_window=self.layer_sliding_window(config, layer_idx),
         )
+
+    @staticmethod
+    def layer_sliding_window(config: Any, layer_idx: int) -> int | None:
+        """This layer's attention window (None: full causal). Llama has none."""
+        return None
 
     @staticmethod
     def biases(config: Any) -> tuple[bool, bool]:
@@ -70,7 +103,24 @@ class LlamaAttention(nn.Module):
         return self.o_proj(o.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
+class MistralAttention(LlamaAttention):
+    @staticmethod
+    def layer_sliding_window(config: Any, layer_idx: int) -> int | None:
+        """Every layer uses ``sliding_window`` when set (transformers' Mistral and Phi-3 ignore ``layer_types``)."""
+        return config_sliding_window(config)
+
+
+def qwen_layer_sliding_window(config: Any, layer_idx: int) -> int | None:
+    """Qwen2/Qwen3: only with ``use_sliding_window``; then the layers ``layer_types`` marks, which transformers
+    derives as ``layer_idx >= max_window_layers`` (the rule used when a config has no ``layer_types``)."""
+    max_window_layers = getattr(config, "max_window_layers", None)
+    default = max_window_layers is not None and layer_idx >= max_window_layers
+    return layer_types_sliding_window(config, layer_idx, default)
+
+
 class Qwen2Attention(LlamaAttention):
+    layer_sliding_window = staticmethod(qwen_layer_sliding_window)
+
     @staticmethod
     def biases(config: Any) -> tuple[bool, bool]:
         return True, False
@@ -190,7 +240,10 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Same weights and math as Llama. (Sliding-window attention is not applied.)"""
+    """Same weights and math as Llama, with every layer attending over ``sliding_window`` when the config sets
+    one."""
+
+    attention_cls = MistralAttention
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
@@ -199,4 +252,6 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 class Phi3ForCausalLM(LlamaForCausalLM):
     """Phi-3: the Llama layout, with qkv_proj and gate_up_proj already fused in the checkpoint (the loader
-    copies fused tensors whole). A sliding window caps max_model_len (see ModelConfig)."""
+    copies fused tensors whole). Every layer attends over ``sliding_window`` when the config sets one."""
+
+    attention_cls = MistralAttention

@@ -9,10 +9,12 @@ import torch
 from pagedllm.attention.base import AttentionBackend
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
-from pagedllm.models.llama import LlamaAttention, LlamaForCausalLM
+from pagedllm.models.llama import LlamaAttention, LlamaForCausalLM, qwen_layer_sliding_window
 
 
 class Qwen3Attention(LlamaAttention):
+    layer_sliding_window = staticmethod(qwen_layer_sliding_window)  # the Qwen2 rule
+
     def __init__(
         self, config: Any, layer_idx: int, attn_backend: AttentionBackend, rotary_emb: RotaryEmbedding
     ) -> None:

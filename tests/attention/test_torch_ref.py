@@ -18,8 +18,11 @@ def dense_causal_attention(
     k: torch.Tensor,  # [seq_len, num_kv_heads, head_dim]
     v: torch.Tensor,  # [seq_len, num_kv_heads, head_dim]
     scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:  # [query_len, num_heads, head_dim]
-    """Textbook attention in float64, no SDPA: scores, causal mask, softmax, weighted sum."""
+    """Textbook attention in float64, no SDPA: scores, soft-cap, causal (and window) mask, softmax, weighted sum.
+    The window as transformers' masking_utils has it: the query at p sees keys k with p - W < k <= p."""
     query_len, num_heads, _ = q.shape
     seq_len, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
@@ -27,8 +30,14 @@ def dense_causal_attention(
     for h in range(num_heads):
         kh, vh = k[:, h // group].double(), v[:, h // group].double()  # [seq_len, head_dim]
         scores = q[:, h].double() @ kh.T * scale  # [query_len, seq_len]
-        q_pos = torch.arange(seq_len - query_len, seq_len)[:, None]
-        scores = scores.masked_fill(torch.arange(seq_len)[None, :] > q_pos, float("-inf"))
+        if soft_cap is not None:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
+        q_pos = torch.arange(seq_len - query_len, seq_len)[:, None]  # [query_len, 1]
+        k_pos = torch.arange(seq_len)[None, :]  # [1, seq_len]
+        hidden = k_pos > q_pos
+        if sliding_window is not None:
+            hidden |= k_pos <= q_pos - sliding_window
+        scores = scores.masked_fill(hidden, float("-inf"))
         out[:, h] = torch.softmax(scores, dim=-1) @ vh
     return out
 
@@ -227,3 +236,92 @@ def test_batched_decodes_ignore_padding_entries_and_poisoned_slots():
     for r, (k, v) in enumerate(dense_kv):
         want = dense_causal_attention(query[r : r + 1], k, v, 0.5)
         torch.testing.assert_close(out[r : r + 1].double(), want, atol=1e-5, rtol=1e-5)
+
+
+# --- sliding window and soft-cap -------------------------------------------------------------------------
+
+# Ragged requests around a window of 5: decodes far past it and just inside it, prefill chunks over a cached
+# prefix longer than the window, a prefill shorter than the window, a chunk much longer than the window.
+WINDOW_REQUESTS = [(1, 1), (30, 1), (4, 1), (20, 3), (33, 9), (16, 16), (5, 2), (18, 17), (6, 1)]
+
+
+def test_hf_window_convention() -> None:
+    """Our window reading (p - W < k <= p: W keys, the query's own included) is transformers'."""
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    fn = sliding_window_causal_mask_function(3)
+    for p in range(8):
+        seen = [k for k in range(8) if fn(0, 0, torch.tensor(p), torch.tensor(k))]
+        assert seen == [k for k in range(8) if p - 3 < k <= p]
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("sliding_window,soft_cap", [(5, None), (None, 2.0), (5, 2.0), (1, None), (64, 3.0)])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2)])
+def test_window_and_soft_cap_match_dense(
+    block_size: int, sliding_window: int | None, soft_cap: float | None, num_heads: int, num_kv_heads: int
+) -> None:
+    """The backend step (cache write, then attention) vs the dense masked reference; the padded batched-decode
+    path and the per-request path both see windows and caps. Window 1 is "attend to yourself only", 64 is
+    longer than every sequence (same as none)."""
+    query, key, value, kv_cache, metadata, seqs = build_step(
+        WINDOW_REQUESTS, block_size, num_heads, num_kv_heads, num_pad=2, seed=5
+    )
+    scale = 0.9  # large enough that the cap bends the scores
+    out = TorchAttentionBackend().forward(
+        query, key, value, kv_cache, metadata, scale, sliding_window=sliding_window, logits_soft_cap=soft_cap
+    )
+    assert torch.all(out[metadata.num_tokens :] == 0)
+    qsl = metadata.query_start_loc_cpu.tolist()
+    for r, (q, k, v, _) in enumerate(seqs):
+        query_len = qsl[r + 1] - qsl[r]
+        expected = dense_causal_attention(q[len(q) - query_len :], k, v, scale, sliding_window, soft_cap)
+        torch.testing.assert_close(out[qsl[r] : qsl[r + 1]].double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_window_and_soft_cap_change_the_output() -> None:
+    """Guards the tests above: with these shapes the window and the cap each change the result."""
+    query, _, _, kv_cache, metadata, seqs = build_step(WINDOW_REQUESTS, 4, 4, 2, seed=6)
+    flat = kv_cache.view(2, -1, 2, HEAD_DIM)  # [2, num_slots, num_kv_heads, head_dim]
+    for _, k, v, seq_slots in seqs:
+        flat[0, seq_slots], flat[1, seq_slots] = k, v
+    args = (
+        query,
+        kv_cache[0],
+        kv_cache[1],
+        metadata.block_table,
+        metadata.seq_lens,
+        metadata.query_start_loc,
+    )
+    plain = paged_attention_ref(*args, 0.9)
+    assert (paged_attention_ref(*args, 0.9, sliding_window=5) - plain).abs().max() > 0.1
+    assert (paged_attention_ref(*args, 0.9, logits_soft_cap=2.0) - plain).abs().max() > 0.1
+    assert torch.equal(paged_attention_ref(*args, 0.9, sliding_window=64), plain)
+
+
+def test_window_over_decode_steps() -> None:
+    """A sequence decoded token by token through the backend (block size 4, window 6): each step equals the
+    dense windowed attention at that position; keys behind the window stay in the cache, unread."""
+    gen = torch.Generator().manual_seed(8)
+    num_heads, num_kv_heads, block_size, window, total = 4, 2, 4, 6, 23
+    q = torch.randn(total, num_heads, HEAD_DIM, generator=gen)
+    k = torch.randn(total, num_kv_heads, HEAD_DIM, generator=gen)
+    v = torch.randn(total, num_kv_heads, HEAD_DIM, generator=gen)
+    blocks = [7, 2, 5, 0, 3, 6]  # scattered
+    kv_cache = torch.zeros(2, 8, block_size, num_kv_heads, HEAD_DIM)
+    backend = TorchAttentionBackend()
+    for pos in range(total):
+        slot = blocks[pos // block_size] * block_size + pos % block_size
+        one = torch.tensor([0, 1], dtype=torch.int32)
+        seq_lens = torch.tensor([pos + 1], dtype=torch.int32)
+        metadata = AttentionMetadata(
+            num_reqs=1, num_tokens=1, max_query_len=1, max_seq_len=pos + 1, query_start_loc=one,
+            seq_lens=seq_lens, block_table=torch.tensor([blocks], dtype=torch.int32),
+            slot_mapping=torch.tensor([slot]), query_start_loc_cpu=one, seq_lens_cpu=seq_lens,
+            is_pure_decode=True,
+        )  # fmt: skip
+        out = backend.forward(
+            q[pos : pos + 1], k[pos : pos + 1], v[pos : pos + 1], kv_cache, metadata, 0.5, window
+        )
+        expected = dense_causal_attention(q[pos : pos + 1], k[: pos + 1], v[: pos + 1], 0.5, window)
+        torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)

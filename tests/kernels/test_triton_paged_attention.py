@@ -81,15 +81,33 @@ def make_batch(
     )
 
 
+def poison_behind_window(b: dict, lens: list[tuple[int, int]], window: int) -> torch.Tensor:
+    """Return a copy of ``b["kv_cache"]`` with NaN in every key/value of whole 64-key runs that lie behind the
+    window of each request's first query (so behind every key tile of <= 64 keys the kernel may load): a kernel
+    that reads a tile it should skip turns the output NaN."""
+    block_size = b["kv_cache"].shape[2]
+    cache = b["kv_cache"].clone()
+    block_table = b["block_table"].cpu()
+    for r, (q_len, seq_len) in enumerate(lens):
+        cut = max(0, seq_len - q_len - window + 1) // 64 * 64  # positions [0, cut) are never visible
+        for pos in range(cut):
+            cache[:, int(block_table[r, pos // block_size]), pos % block_size] = float("nan")
+    return cache
+
+
 def check_attention(
-    lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, num_splits=None, seed=0, pad_tokens=0
-) -> float:
+    lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, num_splits=None, seed=0, pad_tokens=0,
+    sliding_window=None, soft_cap=None, scale=None,
+) -> float:  # fmt: skip
+    """Kernel vs the float64 reference. With a window, cache entries behind it are NaN for the kernel (the
+    reference reads the clean cache): skipped tiles must really be skipped."""
     b = make_batch(lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, seed, pad_tokens)
-    scale = head_dim**-0.5
+    scale = scale or head_dim**-0.5
+    cache = b["kv_cache"] if sliding_window is None else poison_behind_window(b, lens, sliding_window)
     out = torch.full_like(b["query"], float("nan"))
     paged_attention(
         b["query"],
-        b["kv_cache"],
+        cache,
         b["block_table"],
         b["seq_lens"],
         b["query_start_loc"],
@@ -99,6 +117,8 @@ def check_attention(
         b["max_seq_len"],
         out=out,
         num_splits=num_splits,
+        sliding_window=sliding_window,
+        logits_soft_cap=soft_cap,
     )
     cache64 = b["kv_cache"].double()
     ref = paged_attention_ref(
@@ -109,6 +129,8 @@ def check_attention(
         b["seq_lens"],
         b["query_start_loc"],
         scale,
+        sliding_window,
+        soft_cap,
     )
     n = b["num_tokens"]
     err = rel_l2(out[:n], ref[:n])
@@ -224,6 +246,31 @@ def test_paged_attention_random_gpu(seed):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("window,soft_cap", [(64, None), (1000, None), (300, 50.0), (None, 30.0), (1, None)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@ALL_LENS
+def test_paged_attention_window_soft_cap_gpu(window, soft_cap, dtype, lens):
+    check_attention(lens, 32, 8, 128, 16, dtype, "cuda", sliding_window=window, soft_cap=soft_cap)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("num_splits", [None, 2, 8])
+def test_paged_attention_window_split_k_gpu(num_splits):
+    lens = [(1, 4096), (1, 1), (1, 3001), (1, 700), (1, 17)]
+    check_attention(lens, 32, 8, 128, 16, torch.bfloat16, "cuda", num_splits, sliding_window=1024)
+    check_attention([(40, 5000), (1, 900)], 16, 8, 256, 32, torch.bfloat16, "cuda", num_splits,
+                    sliding_window=700, soft_cap=50.0)  # fmt: skip
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_paged_attention_window_long_prefill_gpu():
+    check_attention([(2048, 6000), (700, 700)], 32, 8, 128, 16, torch.bfloat16, "cuda", sliding_window=512)
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_padding_requests_gpu(num_splits):
     check_padding_requests("cuda", num_splits)
@@ -301,6 +348,7 @@ def test_decode_cuda_graph_gpu():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_triton_backend_matches_torch_gpu(dtype):
     check_backend(dtype, "cuda")
+    check_backend(dtype, "cuda", sliding_window=12, logits_soft_cap=5.0)
 
 
 # --------------------------------------------------------------------------------------- interpreter
@@ -344,6 +392,54 @@ def test_triton_backend_matches_torch_interpret():
     check_backend(torch.float32, "cpu")
 
 
+# Windows that start mid-tile, cover whole tiles, exceed the context, or hold only the query itself.
+WINDOW_CASES = [(20, None), (7, None), (1, None), (500, None), (None, 2.0), (20, 2.0), (33, 0.5)]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("window,soft_cap", WINDOW_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_window_soft_cap_interpret(window, soft_cap, dtype):
+    # scale 0.5 on random unit q/k: scores of a few units, so a cap of 0.5..2 bends them
+    kw = dict(sliding_window=window, soft_cap=soft_cap, scale=0.5)
+    check_attention(MIXED, 4, 2, 16, 16, dtype, "cpu", **kw)
+    check_attention(CHUNKED, 8, 2, 32, 4, dtype, "cpu", pad_tokens=3, **kw)
+    check_attention(DECODE, 4, 1, 16, 8, dtype, "cpu", **kw)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("block_size", [1, 2, 32])
+def test_paged_attention_window_block_sizes_interpret(block_size):
+    check_attention(CHUNKED, 6, 2, 16, block_size, torch.float32, "cpu", sliding_window=24, soft_cap=3.0)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("num_splits", [None, 2, 4, 16])
+def test_paged_attention_window_split_k_interpret(num_splits):
+    """Split-K divides only the tiles inside the window; with more splits than tiles, some splits are empty."""
+    lens = [(1, 600), (1, 1), (1, 75), (1, 1100)]
+    check_attention(lens, 4, 2, 16, 16, torch.float32, "cpu", num_splits, sliding_window=100)
+    check_attention([(9, 700), (1, 40), (3, 3)], 4, 2, 16, 16, torch.bfloat16, "cpu", num_splits,
+                    sliding_window=40, soft_cap=2.0, scale=0.5)  # fmt: skip
+
+
+@needs_interpreter
+def test_window_poisoning_is_meaningful_interpret():
+    """Guards the NaN check in check_attention: the same poisoned cache without the window gives NaN."""
+    lens = [(1, 300), (9, 200)]
+    b = make_batch(lens, 4, 2, 16, 16, torch.float32, "cpu")
+    cache = poison_behind_window(b, lens, 20)
+    out = paged_attention(
+        b["query"], cache, b["block_table"], b["seq_lens"], b["query_start_loc"], 0.25, 2, 9, 300
+    )
+    assert torch.isnan(out[: b["num_tokens"]]).all()
+
+
+@needs_interpreter
+def test_triton_backend_window_soft_cap_interpret():
+    check_backend(torch.float32, "cpu", sliding_window=12, logits_soft_cap=5.0)
+
+
 # ---------------------------------------------------------------------------------------------- CPU
 
 
@@ -358,8 +454,9 @@ def test_num_kv_splits_rule():
             assert s & (s - 1) == 0 and 1 <= s <= 32
 
 
-def check_backend(dtype, device):
-    """The whole backend step (cache write, attention) against TorchAttentionBackend on one batch."""
+def check_backend(dtype, device, **options):
+    """The whole backend step (cache write, attention) against TorchAttentionBackend on one batch; ``options``
+    (sliding_window, logits_soft_cap) go to both."""
     lens = [(1, 40), (13, 30), (1, 9), (6, 6)]
     num_heads, num_kv_heads, head_dim, block_size = 8, 2, 32, 16
     b = make_batch(lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, seed=3, pad_tokens=2)
@@ -388,8 +485,10 @@ def check_backend(dtype, device):
         seq_lens_cpu=b["seq_lens"].cpu(),
     )
     cache_triton, cache_torch = b["kv_cache"].clone(), b["kv_cache"].clone()
-    out = TritonAttentionBackend().forward(query, key, value, cache_triton, metadata, head_dim**-0.5)
-    ref = TorchAttentionBackend().forward(query, key, value, cache_torch, metadata, head_dim**-0.5)
+    out = TritonAttentionBackend().forward(
+        query, key, value, cache_triton, metadata, head_dim**-0.5, **options
+    )
+    ref = TorchAttentionBackend().forward(query, key, value, cache_torch, metadata, head_dim**-0.5, **options)
     assert torch.equal(cache_triton.isnan(), cache_torch.isnan())
     assert torch.equal(cache_triton.nan_to_num(), cache_torch.nan_to_num())
     assert out.shape == ref.shape

@@ -18,6 +18,8 @@ from tests.utils import hf_greedy, hf_logprobs, make_tiny_model
 
 ATOL = 1e-4
 BLOCK_SIZE = 4
+# Qwen2/3 with use_sliding_window: transformers marks layers >= max_window_layers "sliding_attention".
+QWEN_WINDOW = {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}
 
 # variant -> (arch, make_tiny_model options); the plain archs come from the session fixture
 VARIANTS = {
@@ -28,6 +30,10 @@ VARIANTS = {
     "qwen3": ("qwen3", {}),
     "gemma": ("gemma", {}),
     "phi3": ("phi3", {}),
+    "gemma2": ("gemma2", {}),
+    "gemma3": ("gemma3", {}),
+    "qwen2-window": ("qwen2", QWEN_WINDOW),
+    "qwen3-window": ("qwen3", QWEN_WINDOW),
     "llama-tied": ("llama", {"tie_word_embeddings": True}),
     "qwen3-tied": ("qwen3", {"tie_word_embeddings": True}),
     "qwen2-sharded": ("qwen2", {"shard": True}),
@@ -276,16 +282,154 @@ def test_model_from_pickled_config_is_the_same(model_dir: str) -> None:
     )
 
 
-def test_sliding_window_caps_max_model_len(tiny_model_dirs: dict[str, str], tmp_path: Path) -> None:
-    """Sliding-window attention is not implemented: a model that uses one is served up to its window only
-    (where full attention is the same), and asking for more is a ValueError naming max_model_len."""
+# --- sliding windows (and Gemma 2's soft-caps) --------------------------------------------------------
+
+# variant -> (arch, make_tiny_model options) of the tiny models whose window is far shorter than SW_LEN
+WINDOWED = {
+    "mistral": ("mistral", {}),
+    "phi3": ("phi3", {}),
+    "gemma2": ("gemma2", {}),
+    "gemma3": ("gemma3", {}),
+    "qwen2-window": ("qwen2", QWEN_WINDOW),
+    "qwen3-window": ("qwen3", QWEN_WINDOW),
+}
+SW_LEN = 64  # prompt tokens in the long-sequence tests: 4x the 16-token windows, 2x Phi-3's 32
+
+
+@pytest.fixture(scope="module", params=list(WINDOWED))
+def windowed_dir(request, tiny_model_dirs, tmp_path_factory) -> str:
+    arch, options = WINDOWED[request.param]
+    if not options:
+        return tiny_model_dirs[arch]
+    return make_tiny_model(arch, tmp_path_factory.mktemp(request.param), **options)
+
+
+def _attn_layers(model) -> list:
+    return [layer.self_attn.attn for layer in model.model.layers]
+
+
+def test_per_layer_windows(tiny_model_dirs: dict[str, str], tmp_path: Path) -> None:
+    """Which layers slide, as transformers decides it: Mistral / Phi-3 every layer, Qwen2/3 only with
+    use_sliding_window and then the layers that layer_types marks (layers >= max_window_layers), Gemma 2 per
+    layer_types (alternating, layer 0 local), Gemma 3 per layer_types (local layers with their own RoPE),
+    Llama / Gemma none."""
+
+    def windows(path: str) -> list[int | None]:
+        return [a.sliding_window for a in _attn_layers(load_ours(path)[0])]
+
+    assert windows(tiny_model_dirs["mistral"]) == [16, 16]
+    assert windows(tiny_model_dirs["phi3"]) == [32, 32]
+    assert windows(tiny_model_dirs["gemma2"]) == [16, None]
+    assert windows(tiny_model_dirs["gemma3"]) == [16, None]
+    assert windows(tiny_model_dirs["llama"]) == [None, None]
+    assert windows(tiny_model_dirs["gemma"]) == [None, None]
+    assert windows(tiny_model_dirs["qwen2"]) == [None, None]  # carries a window, use_sliding_window false
+    assert windows(make_tiny_model("qwen2", tmp_path / "q2", **QWEN_WINDOW)) == [None, 16]
+    all_sliding = {**QWEN_WINDOW, "max_window_layers": 0}
+    assert windows(make_tiny_model("qwen3", tmp_path / "q3", **all_sliding)) == [16, 16]
+    explicit = {**QWEN_WINDOW, "layer_types": ["sliding_attention", "full_attention"]}  # layer_types win
+    assert windows(make_tiny_model("qwen2", tmp_path / "q2t", **explicit)) == [16, None]
+    gemma2 = _attn_layers(load_ours(tiny_model_dirs["gemma2"])[0])
+    assert [a.logits_soft_cap for a in gemma2] == [4.0, 4.0] and gemma2[0].scale == 24**-0.5
+    gemma3 = load_ours(tiny_model_dirs["gemma3"])[0].model.layers
+    assert gemma3[0].self_attn.rotary_emb is not gemma3[1].self_attn.rotary_emb  # local vs global RoPE
+
+
+def test_sliding_window_no_longer_caps_max_model_len(tiny_model_dirs: dict[str, str]) -> None:
+    """The window is applied by the attention, so a windowed model serves its full position range."""
     phi3 = ModelConfig(model=tiny_model_dirs["phi3"])
-    assert phi3.sliding_window == 256 and phi3.max_model_len == 256
-    with pytest.raises(ValueError, match=r"max_model_len \(400\).*sliding window"):
-        ModelConfig(model=tiny_model_dirs["phi3"], max_model_len=400)
-    # Qwen2 configs carry a window they do not use (use_sliding_window false): no cap.
-    qwen2 = make_tiny_model("qwen2", tmp_path / "q", sliding_window=64, use_sliding_window=False)
-    assert ModelConfig(model=qwen2).max_model_len == 512
+    assert phi3.sliding_window == 32 and phi3.max_model_len == 512
+    assert ModelConfig(model=tiny_model_dirs["mistral"], max_model_len=400).max_model_len == 400
+    with pytest.raises(ValueError, match=r"max_model_len \(600\).*maximum context \(512\)"):
+        ModelConfig(model=tiny_model_dirs["phi3"], max_model_len=600)
+
+
+def test_long_sequence_chunks_and_decodes_match_hf(windowed_dir: str) -> None:
+    """Logits over a sequence 4x the window: a prefill chunk, a chunk over the cached prefix that crosses the
+    window, a mixed step with another request, then decodes; block size 4 so windows start mid-block."""
+    model, model_config = load_ours(windowed_dir)
+    seqs = {
+        0: random_prompt(SW_LEN + 6, model_config.vocab_size, seed=11),
+        1: random_prompt(40, model_config.vocab_size, seed=12),
+    }
+    schedule = {0: [21, 30, 13, 1, 1, 1, 1, 1, 1], 1: [7, 1, 25, 1, 3, 1, 1, 1]}
+    expected = {r: hf_logits(windowed_dir, seq) for r, seq in seqs.items()}
+    runner = PagedRunner(model, model_config, num_blocks=64, num_pad=1)
+    done = {r: 0 for r in seqs}
+    for step in range(max(len(s) for s in schedule.values())):
+        chunks = {
+            r: seqs[r][done[r] : done[r] + sizes[step]] for r, sizes in schedule.items() if step < len(sizes)
+        }
+        out = runner.step(chunks)
+        for r, chunk in chunks.items():
+            torch.testing.assert_close(out[r], expected[r][done[r] : done[r] + len(chunk)], atol=ATOL, rtol=0)
+            done[r] += len(chunk)
+    assert done == {r: len(s) for r, s in seqs.items()}
+
+
+def _without_window(path: str, dst: Path) -> str:
+    """The same checkpoint with the window pushed past max_position_embeddings (full attention everywhere)."""
+    shutil.copytree(path, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config["sliding_window"] = 4096
+    (dst / "config.json").write_text(json.dumps(config))
+    return str(dst)
+
+
+def test_windowed_greedy_through_llm_matches_transformers(windowed_dir: str, tmp_path: Path) -> None:
+    """pagedllm.LLM greedy = transformers greedy, token for token, on prompts longer than the window: with
+    small prefill chunks, and with prefix caching serving a shared prefix longer than the window. The window
+    matters: transformers' own output changes without it (else this test could not catch an ignored window)."""
+    from pagedllm import LLM, SamplingParams
+
+    vocab = ModelConfig(model=windowed_dir).vocab_size
+    shared = random_prompt(SW_LEN - 24, vocab, seed=21)
+    prompts = [
+        random_prompt(SW_LEN, vocab, seed=22),
+        shared + random_prompt(24, vocab, seed=23),
+        shared + random_prompt(9, vocab, seed=24),
+        random_prompt(5, vocab, seed=25),
+    ]
+    max_new = 12
+    want = hf_greedy(windowed_dir, prompts, max_new)
+    full = hf_greedy(_without_window(windowed_dir, tmp_path / "full"), prompts[:2], max_new)
+    assert full != want[:2], "the window does not change transformers' output: the test would prove nothing"
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
+    for kwargs in (
+        {"max_num_batched_tokens": 7, "enable_prefix_caching": False},
+        {"max_num_batched_tokens": 20, "enable_prefix_caching": True},
+    ):
+        llm = LLM(windowed_dir, dtype="float32", device="cpu", block_size=4, async_scheduling=False, **kwargs)
+        # The first prompt alone (fills the prefix cache with `shared` when caching), then all of them together.
+        first = llm.generate([{"prompt_token_ids": prompts[1]}], params, use_tqdm=False)
+        assert list(first[0].outputs[0].token_ids) == want[1], kwargs
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outs] == want, kwargs
+        if kwargs["enable_prefix_caching"]:
+            assert outs[2].num_cached_tokens >= len(shared) - 4
+        core = llm.llm_engine.engine_core
+        core.check_integrity()
+        assert core.kv_cache_manager.num_free_blocks == core.kv_cache_manager.pool.num_blocks
+
+
+def test_gemma2_soft_caps_matter(tiny_model_dirs: dict[str, str], tmp_path: Path) -> None:
+    """Gemma 2's tiny caps bend its outputs (so the logits comparisons above check them), and the final cap
+    bounds our logits as it does transformers'."""
+    path = tiny_model_dirs["gemma2"]
+    prompt = random_prompt(30, 400, seed=31)
+    ref = hf_logits(path, prompt)
+    assert ref.abs().max() < 6.0
+    for field in ("attn_logit_softcapping", "final_logit_softcapping"):
+        dst = tmp_path / field
+        shutil.copytree(path, dst)
+        config = json.loads((dst / "config.json").read_text())
+        config[field] = None
+        (dst / "config.json").write_text(json.dumps(config))
+        assert (hf_logits(str(dst), prompt) - ref).abs().max() > 1e-2, field
+    model, model_config = load_ours(path)
+    out = PagedRunner(model, model_config).step({0: prompt})[0]
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
 
 
 def test_partial_rotary_is_refused(tmp_path: Path) -> None:
