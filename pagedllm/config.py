@@ -194,6 +194,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # "fcfs" | "priority"
     async_scheduling: bool = False  # plan step N+1 while step N runs (see core/scheduler.py)
+    num_lookahead_tokens: int = 0  # KV slots reserved past a decoding request's tokens (draft-model drafts)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -406,6 +407,8 @@ def make_engine_config(
             if async_scheduling:
                 logger.warning("async scheduling is not used with speculative decoding: turning it off")
             scheduler_config.async_scheduling = False
+        if spec.method != "ngram":
+            scheduler_config.num_lookahead_tokens = spec.num_speculative_tokens
     return EngineConfig(
         model_config=model_config,
         cache_config=cache_config,

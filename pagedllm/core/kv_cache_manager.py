@@ -65,11 +65,6 @@ class KVCacheManager:
         self.prefix_cache_hits += num_hit
         return blocks, num_hit
 
-    def can_allocate(
-        self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock]
-    ) -> bool:
-        return self._num_blocks_short(request, num_new_tokens, new_computed_blocks) <= 0
-
     def _num_blocks_short(
         self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock]
     ) -> int:
@@ -85,13 +80,16 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_lookahead_tokens: int = 0,
     ) -> bool:
-        """Give ``request`` room for ``num_new_tokens`` more tokens after its computed (and newly hit) ones.
+        """Give ``request`` room for ``num_new_tokens`` more tokens after its computed (and newly hit) ones,
+        plus ``num_lookahead_tokens`` slots past them (a draft model writes its drafts' KV there).
 
         Returns False, changing nothing, when the pool is short. New blocks enter the prefix cache only later,
         through ``cache_blocks`` once their KV has been computed: a request preempted before its forward must
         not leave hashes behind that point at unwritten blocks.
         """
+        num_new_tokens += num_lookahead_tokens  # slots are slots: only cache_blocks cares what was computed
         if not new_computed_blocks:
             # Fast path (most decode steps): the last block still has room.
             blocks = self.req_to_blocks.get(request.request_id)

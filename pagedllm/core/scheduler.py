@@ -212,7 +212,8 @@ class Scheduler:
                     if num_drafts > 0:
                         spec_tokens[request.request_id] = drafts[:num_drafts]
                         num_new += num_drafts
-            while not self.kv.allocate_slots(request, num_new):
+            lookahead = self._lookahead(request.num_computed_tokens + num_new, num_total)
+            while not self.kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead):
                 preempted = True
                 i = 0  # the running list changed: rescan, skipping requests already visited
                 victim = self._preempt_one()
@@ -249,7 +250,8 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
-            if not self.kv.allocate_slots(request, num_new, hit_blocks):
+            lookahead = self._lookahead(request.num_computed_tokens + num_hit + num_new, request.num_tokens)
+            if not self.kv.allocate_slots(request, num_new, hit_blocks, lookahead):
                 break
             self.waiting.pop()
             if request.num_cached_tokens < 0:
@@ -383,6 +385,13 @@ class Scheduler:
                     self.waiting.remove(request)
                 self._free(request)
         return EngineCoreOutputs(outputs=outputs, stats=self.make_stats(), timestamp=time.monotonic())
+
+    def _lookahead(self, num_computed_after: int, num_tokens: int) -> int:
+        """KV slots to reserve past a request's scheduled tokens: a draft model writes up to
+        ``num_lookahead_tokens`` drafts there after the step (only when the step brings the request level)."""
+        if not self.config.num_lookahead_tokens or num_computed_after < num_tokens:
+            return 0
+        return max(0, min(self.config.num_lookahead_tokens, self.config.max_model_len - num_computed_after))
 
     def _count_spec(self, num_drafts: int, num_accepted: int) -> None:
         self.spec_num_drafts += 1

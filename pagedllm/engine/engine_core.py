@@ -33,8 +33,15 @@ class EngineCore:
         self.structured: StructuredOutputManager | None = None  # created at the first constrained request
         t0 = time.perf_counter()
         self.runner = ModelRunner(config)
+        self.proposer = None
+        if config.speculative_config is not None:
+            from pagedllm.spec_decode.proposer import make_proposer
+
+            assert not config.scheduler_config.async_scheduling, "speculative decoding runs synchronously"
+            self.proposer = make_proposer(config)  # a draft model loads here, before the memory profile
         t_load = time.perf_counter()
-        num_blocks = self.runner.determine_num_blocks()
+        extra_block_bytes = self.proposer.kv_block_bytes() if self.proposer is not None else 0
+        num_blocks = self.runner.determine_num_blocks(extra_block_bytes)
         t_profile = time.perf_counter()
         block_size = config.cache_config.block_size
         max_model_len = config.model_config.max_model_len
@@ -63,12 +70,8 @@ class EngineCore:
         )
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
         self.async_scheduling = config.scheduler_config.async_scheduling
-        self.proposer = None
-        if config.speculative_config is not None:
-            from pagedllm.spec_decode.proposer import make_proposer
-
-            assert not self.async_scheduling, "speculative decoding runs with synchronous scheduling"
-            self.proposer = make_proposer(config.speculative_config)
+        if self.proposer is not None:
+            self.proposer.init_kv_cache(num_blocks, self.kv_cache_manager)
         self._in_flight: tuple[SchedulerOutput, StepInFlight] | None = None  # launched, not yet collected
         self._pending_sample: tuple[StepInFlight, Any] | None = None  # launched; its bitmask is being filled
         self.vocab_size = config.model_config.vocab_size

@@ -9,12 +9,13 @@ on the drafts before it, which the verification step does not model. They decode
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
 
-from pagedllm.config import SpeculativeConfig
+from pagedllm.config import EngineConfig, SpeculativeConfig
+from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.spec_decode.ngram import NgramProposer
 from pagedllm.worker.input_batch import needs_history
@@ -31,11 +32,15 @@ def can_speculate(request: Request) -> bool:
 
 
 class Proposer(Protocol):
-    def propose(self, requests: Sequence[Request]) -> None:
-        """Set ``spec_token_ids`` of each request in ``requests`` that can speculate."""
+    def kv_block_bytes(self) -> int:
+        """Bytes the proposer's own KV cache needs per block of the target's (0: it has none)."""
 
-    def finish(self, req_ids: Iterable[str]) -> None:
-        """Forget finished requests."""
+    def init_kv_cache(self, num_blocks: int, kv: KVCacheManager) -> None:
+        """Called once the target's cache has ``num_blocks`` blocks; ``kv`` holds the target's block tables."""
+
+    def propose(self, requests: Sequence[Request]) -> None:
+        """Set ``spec_token_ids`` of each request in ``requests`` that can speculate (called after every step
+        with the running requests; a request missing from ``requests`` is finished or preempted)."""
 
 
 class NgramSpecProposer:
@@ -51,11 +56,19 @@ class NgramSpecProposer:
             if can_speculate(request):
                 request.spec_token_ids = self.ngram.propose(np.asarray(request.all_token_ids)).tolist()
 
-    def finish(self, req_ids: Iterable[str]) -> None:
+    def kv_block_bytes(self) -> int:
+        return 0
+
+    def init_kv_cache(self, num_blocks: int, kv: KVCacheManager) -> None:
         pass
 
 
-def make_proposer(config: SpeculativeConfig) -> Proposer:
-    if config.method == "ngram":
-        return NgramSpecProposer(config)
-    raise ValueError(f"speculative_config.method {config.method!r} is not supported yet")
+def make_proposer(config: EngineConfig) -> Proposer:
+    spec = config.speculative_config
+    if spec.method == "ngram":
+        return NgramSpecProposer(spec)
+    if spec.method == "draft_model":
+        from pagedllm.spec_decode.draft_model import DraftModelProposer
+
+        return DraftModelProposer(config)
+    raise ValueError(f"speculative_config.method {spec.method!r} is not supported yet")

@@ -146,6 +146,14 @@ class InputBatch:
         self.row_gen[row] += 1
         self.free_rows.append(row)
 
+    def set_token_ids(self, req_id: str, start: int, token_ids: list[int]) -> None:
+        """Overwrite a row's tokens from ``start`` on with ``token_ids``; the row then ends after them (a draft
+        model's batch learning which of its drafts the target kept)."""
+        row = self.req_id_to_row[req_id]
+        end = start + len(token_ids)
+        self.token_ids_np[row, start:end] = token_ids
+        self.num_tokens_np[row] = end
+
     def output_token_ids(self, row: int) -> list[int]:
         """Generated tokens of ``row`` (all known: call only when no placeholder is pending)."""
         return self.token_ids_np[row, self.num_prompt_tokens_np[row] : self.num_tokens_np[row]].tolist()

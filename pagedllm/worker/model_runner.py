@@ -91,10 +91,12 @@ class ModelRunner:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * elem
 
-    def determine_num_blocks(self) -> int:
-        """Blocks that fit the memory budget: by hand (override / bytes), or profiled on CUDA, or a CPU default."""
+    def determine_num_blocks(self, extra_block_bytes: int = 0) -> int:
+        """Blocks that fit the memory budget: by hand (override / bytes), or profiled on CUDA, or a CPU default.
+
+        ``extra_block_bytes``: what each block costs elsewhere too (a draft model's cache of the same blocks)."""
         cc = self.config.cache_config
-        block_bytes = self.kv_block_bytes()
+        block_bytes = self.kv_block_bytes() + extra_block_bytes
         if cc.num_gpu_blocks_override is not None:
             return cc.num_gpu_blocks_override
         if cc.kv_cache_memory_bytes is not None:
@@ -156,7 +158,7 @@ class ModelRunner:
         del hidden, logits, probs, caches
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
-        weights_and_cache_scratch = n_blocks * block_bytes
+        weights_and_cache_scratch = n_blocks * self.kv_block_bytes()  # the caches allocated above
         # Memory others (and the CUDA context) hold is outside torch's counters: count it as used.
         non_torch = total - free_before - torch.cuda.memory_allocated(self.device)
         budget = total * self.config.cache_config.gpu_memory_utilization

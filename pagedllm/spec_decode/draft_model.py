@@ -1,0 +1,195 @@
+"""Draft-model proposer (vLLM's ``{"model": DRAFT_DIR, "num_speculative_tokens": k}``).
+
+A smaller model sharing the target's tokenizer runs greedily ``k`` times per engine step in its own
+``ModelRunner`` (so its decode steps replay CUDA graphs like the target's). Its KV cache has exactly the target's
+blocks: request r's draft KV for position p lives in the same block id and slot as its target KV, so the draft
+needs no allocator of its own. The scheduler reserves ``k`` lookahead slots past each decoding request
+(``SchedulerConfig.num_lookahead_tokens``) for the drafts' KV.
+
+Per request the proposer tracks how far its draft KV is valid::
+
+    target tokens:   t0 .. t(T-1)                          (T = request.num_tokens after the last step)
+    draft row:       t0 .. t(v-1) | d1 .. dk                (its last drafts; v = tokens verified last time)
+    draft computed:  positions < c hold draft KV of the row's tokens
+
+After a step the target kept some drafts: the row's tokens from the first position where they differ from the
+target's are replaced, and ``c`` drops to that position. Then one catch-up pass computes positions ``c .. T-1``
+(sampling draft 1 from the last) and ``k - 1`` single-token passes sample drafts 2..k. Drafts are argmax picks
+(deterministic), so the rejection sampler treats them as one-hot proposals and the output stays exact whatever
+the draft KV holds: a wrong draft KV (a prefix-cache block the draft never wrote) only costs acceptance.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from pagedllm.config import EngineConfig, ModelConfig
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.request import Request
+from pagedllm.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.spec_decode.proposer import can_speculate
+
+logger = logging.getLogger(__name__)
+
+_GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 30, ignore_eos=True, detokenize=False)
+
+
+@dataclass
+class _DraftState:
+    num_computed: int  # positions whose draft KV matches the draft row's tokens
+    num_verified: int  # the draft row's tokens below this equal the target's
+    num_blocks: int  # block ids the draft runner holds for the request
+
+
+def draft_engine_config(config: EngineConfig) -> EngineConfig:
+    """The draft model's config: the target's cache, scheduler and device settings, its own weights."""
+    spec = config.speculative_config
+    target = config.model_config
+    draft_model = ModelConfig(
+        model=spec.model,
+        dtype=target.dtype,
+        max_model_len=None,
+        seed=target.seed,
+        trust_remote_code=target.trust_remote_code,
+        load_format=target.load_format,
+    )
+    if draft_model.max_model_len < target.max_model_len:
+        raise ValueError(
+            f"speculative_config.model: the draft's maximum context ({draft_model.max_model_len}) is shorter than "
+            f"max_model_len ({target.max_model_len}); lower max_model_len"
+        )
+    draft_model.max_model_len = target.max_model_len
+    return replace(config, model_config=draft_model, speculative_config=None)
+
+
+class DraftModelProposer:
+    """Proposes ``num_speculative_tokens`` greedy drafts per decoding request with a draft model."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from pagedllm.worker.model_runner import ModelRunner
+
+        self.k = config.speculative_config.num_speculative_tokens
+        self.max_model_len = config.model_config.max_model_len
+        self.max_num_tokens = config.scheduler_config.max_num_batched_tokens
+        self.runner = ModelRunner(draft_engine_config(config))
+        self.kv: KVCacheManager | None = None  # the target's block tables (set by the engine core)
+        self.states: dict[str, _DraftState] = {}
+
+    def kv_block_bytes(self) -> int:
+        return self.runner.kv_block_bytes()
+
+    def init_kv_cache(self, num_blocks: int, kv: KVCacheManager) -> None:
+        """A draft cache of the target's ``num_blocks`` blocks, addressed by the target's block tables."""
+        self.runner.init_kv_cache(num_blocks)
+        self.runner.maybe_capture_cuda_graphs()
+        self.kv = kv
+
+    def propose(self, requests: Sequence[Request]) -> None:
+        budget = self.max_num_tokens
+        chosen: list[tuple[Request, int]] = []  # (request, its number of drafts)
+        for request in requests:
+            if not can_speculate(request):
+                continue
+            num_tokens = request.num_tokens
+            k = min(self.k, self.max_model_len - num_tokens - 1, request.max_tokens - request.num_output_tokens - 1)
+            state = self.states.get(request.request_id)
+            catch_up = num_tokens - (state.num_computed if state else 0)
+            if k <= 0 or catch_up > budget:
+                continue
+            budget -= catch_up
+            chosen.append((request, k))
+        keep = {r.request_id for r, _ in chosen}
+        finished = {req_id for req_id in self.states if req_id not in keep}
+        for req_id in finished:
+            del self.states[req_id]
+        if not chosen:
+            if finished:
+                self.runner.launch(self._sched_output([], [], {}, {}, finished))
+            return
+        new, cached, num_sched, num_computed = [], [], {}, {}
+        for request, _ in chosen:
+            self._sync(request, new, cached, num_sched, num_computed)
+        batch_tokens = self.runner.input_batch
+        self._run(self._sched_output(new, cached, num_sched, num_computed, finished))
+        # Steps 2..k: one token per request that still wants drafts.
+        for j in range(1, max(k for _, k in chosen)):
+            step_reqs = [(r, k) for r, k in chosen if k > j]
+            num_sched = {r.request_id: 1 for r, _ in step_reqs}
+            num_computed = {r.request_id: r.num_tokens + j - 1 for r, _ in step_reqs}
+            self._run(self._sched_output([], [], num_sched, num_computed, set()))
+        for request, k in chosen:
+            row = batch_tokens.req_id_to_row[request.request_id]
+            num_tokens = request.num_tokens
+            request.spec_token_ids = batch_tokens.token_ids_np[row, num_tokens : num_tokens + k].tolist()
+            state = self.states[request.request_id]
+            state.num_computed = num_tokens + k - 1
+            state.num_verified = num_tokens
+
+    def _sync(
+        self,
+        request: Request,
+        new: list[NewRequestData],
+        cached: list[CachedRequestData],
+        num_sched: dict[str, int],
+        num_computed: dict[str, int],
+    ) -> None:
+        """Bring the draft row up to the target's tokens; schedule the catch-up pass from the first stale
+        position."""
+        req_id = request.request_id
+        num_tokens = request.num_tokens
+        block_ids = self.kv.get_block_ids(req_id)
+        state = self.states.get(req_id)
+        if state is None:
+            new.append(
+                NewRequestData(
+                    req_id=req_id,
+                    token_ids=list(request.all_token_ids),
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    sampling_params=_GREEDY,
+                    block_ids=block_ids,
+                    num_computed_tokens=0,
+                )
+            )
+            state = self.states[req_id] = _DraftState(0, num_tokens, len(block_ids))
+        else:
+            batch = self.runner.input_batch
+            row = batch.req_id_to_row[req_id]
+            start = state.num_verified
+            end = min(int(batch.num_tokens_np[row]), num_tokens)
+            truth = np.asarray(request.all_token_ids[start:end])
+            differ = np.nonzero(batch.token_ids_np[row, start:end] != truth)[0]
+            first_stale = start + int(differ[0]) if len(differ) else end
+            state.num_computed = min(state.num_computed, first_stale)
+            batch.set_token_ids(req_id, first_stale, request.all_token_ids[first_stale:])
+            if len(block_ids) > state.num_blocks:
+                cached.append(CachedRequestData(req_id, block_ids[state.num_blocks :], state.num_computed))
+                state.num_blocks = len(block_ids)
+        num_sched[req_id] = num_tokens - state.num_computed
+        num_computed[req_id] = state.num_computed
+
+    def _run(self, sched: SchedulerOutput) -> None:
+        step = self.runner.launch(sched)
+        self.runner.sample(step)
+        self.runner.collect(step)
+
+    @staticmethod
+    def _sched_output(
+        new: list[NewRequestData],
+        cached: list[CachedRequestData],
+        num_sched: dict[str, int],
+        num_computed: dict[str, int],
+        finished: set[str],
+    ) -> SchedulerOutput:
+        return SchedulerOutput(
+            scheduled_new_reqs=new,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_sched,
+            total_num_scheduled_tokens=sum(num_sched.values()),
+            finished_req_ids=finished,
+            num_computed_tokens=num_computed,
+        )
