@@ -11,8 +11,13 @@ Layout of one quantized ``nn.Linear(in, out)`` (``G = in / group_size``):
 - The float weight is ``W[o, i] = (q[i, o] - zero[i // group_size, o]) * scales[i // group_size, o]``.
 
 Fused layers stack the checkpoint's tensors along the output dim (dim 1 of all three; ``qweight``/``qzeros``
-in units of 8 outputs). Only ``version: "gemm"`` with ``zero_point: true`` is supported. The PyTorch path
-dequantizes to float32 on every call and runs ``F.linear``.
+in units of 8 outputs). Only ``version: "gemm"`` with ``zero_point: true`` is supported. The PyTorch path (CPU, and
+CUDA without Triton) dequantizes to float32 on every call and runs ``F.linear``.
+
+GPU path (CUDA with Triton): ``process_weights_after_loading`` repacks ``qweight`` to GPTQ's layout (``[in / 8, out]``,
+nibble ``j`` of row ``k`` is input ``8k + j``) and ``qzeros`` to GPTQ's nibble order (same shape; zeros stored as
+is, so ``zero_offset`` 0), so the one W4A16 kernel (``pagedllm/kernels/w4a16_gemm.py``, grouped mode, all shards in
+one launch) serves both formats; ``dequantize`` reads either layout.
 """
 
 from __future__ import annotations
@@ -22,14 +27,17 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from pagedllm.layers.linear import Linear, LinearMethod
+from pagedllm.platform import use_fused_kernels
 from pagedllm.quantization.base import (
     AWQ_ORDER,
     QuantizationConfig,
     _get,
     is_ignored,
     output_sharded_parameter,
+    pack_int4,
     unpack_int4,
 )
 
@@ -88,13 +96,48 @@ class AWQLinearMethod(LinearMethod):
         )
         layer.scales = output_sharded_parameter(layer, (num_groups, out_size), torch.float32, output_dim=1)
 
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        if use_fused_kernels(layer.qweight):
+            self.prepare_kernel(layer)
+
+    def prepare_kernel(self, layer: Linear) -> None:
+        """Repack to the W4A16 kernel's (GPTQ's) layout (module docstring); any device (tests use CPU)."""
+        if getattr(layer, "w4a16_mode", None) is not None:
+            return
+        q = unpack_int4(layer.qweight.data, dim=1, order=AWQ_ORDER)  # [in, out] uint8
+        layer.qweight = nn.Parameter(pack_int4(q, dim=0), requires_grad=False)  # [in / 8, out]
+        del q
+        zeros = unpack_int4(layer.qzeros.data, dim=1, order=AWQ_ORDER)  # [G, out]
+        layer.qzeros.data.copy_(pack_int4(zeros, dim=1))
+        layer.w4a16_mode = "grouped"
+
+    def group_size(self, layer: Linear) -> int:
+        return layer.input_size // layer.scales.shape[0]
+
     def dequantize(self, layer: Linear) -> torch.Tensor:  # [out, in] float32
-        q = unpack_int4(layer.qweight, dim=1, order=AWQ_ORDER).to(torch.float32)  # [in, out]
-        zeros = unpack_int4(layer.qzeros, dim=1, order=AWQ_ORDER).to(torch.float32)  # [G, out]
-        group_size = layer.input_size // layer.scales.shape[0]
+        if getattr(layer, "w4a16_mode", None) is not None:  # repacked to GPTQ's layout
+            q = unpack_int4(layer.qweight, dim=0).to(torch.float32)  # [in, out]
+            zeros = unpack_int4(layer.qzeros, dim=1).to(torch.float32)  # [G, out]
+        else:
+            q = unpack_int4(layer.qweight, dim=1, order=AWQ_ORDER).to(torch.float32)  # [in, out]
+            zeros = unpack_int4(layer.qzeros, dim=1, order=AWQ_ORDER).to(torch.float32)  # [G, out]
+        group_size = self.group_size(layer)
         zeros = zeros.repeat_interleave(group_size, dim=0)  # [in, out]
         scales = layer.scales.repeat_interleave(group_size, dim=0)  # [in, out]
         return ((q - zeros) * scales).t().contiguous()  # [out, in]
 
+    def apply_kernel(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        from pagedllm.kernels.w4a16_gemm import w4a16_gemm
+
+        x2 = x.reshape(-1, layer.input_size)  # [M, in]
+        out = w4a16_gemm(
+            x2, layer.qweight, layer.qzeros, layer.scales, None, 0, group_size=self.group_size(layer)
+        )
+        if layer.bias is not None:
+            out += layer.bias
+        return out.reshape(*x.shape[:-1], layer.output_size)
+
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if getattr(layer, "w4a16_mode", None) is not None:
+            return self.apply_kernel(layer, x)
         return F.linear(x, self.dequantize(layer).to(x.dtype), layer.bias)

@@ -19,12 +19,23 @@ Online (``quantization="fp8"``, float checkpoint): each output row is quantized 
 weights are never held in full.
 
 Activations: the PyTorch path (CPU, the oracle) is weight-only: it dequantizes the weight to float32 and runs
-``F.linear`` in the model dtype; activations are not quantized, and ``input_scale`` is loaded but unused. FP8
-activation quantization (dynamic per-token/per-tensor or static) belongs to the GPU path (``torch._scaled_mm``).
+``F.linear`` in the model dtype; activations are not quantized, and ``input_scale`` is loaded but unused.
+
+GPU path (CUDA, compute capability >= 8.9, input and output sizes multiples of 16): W8A8 (``fp8_linear``). Each call
+quantizes the activations per token (``max|x_row| / 448``, dynamic) or with the checkpoint's static ``input_scale``
+(the largest of a fused layer's shards, as vLLM does), then ``torch._scaled_mm`` multiplies in FP8 with row-wise
+scales: ``[M, 1]`` for the activations, ``[1, N]`` for the weight (per-channel scales as they are, per-tensor ones
+expanded to their shard's rows, so fused shards keep their own scales exactly); the bias is added after.
+``_scaled_mm`` with row-wise scales writes bf16 (the one output dtype every torch version supports there; other
+model dtypes get a cast). The activation quantization is one Triton kernel (``pagedllm/kernels/fp8_quant.py``) or,
+without Triton, its PyTorch twin ``quantize_fp8_per_token``. Not covered, so they keep the weight-only path on
+CUDA: block-wise weights (dequantize + matmul every call: correct, slow), GPUs below 8.9 (a one-time warning),
+sizes not multiples of 16.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers.linear import Linear, LinearMethod
+from pagedllm.platform import use_fused_kernels
 from pagedllm.quantization.base import (
     QuantizationConfig,
     _check_shape,
@@ -44,6 +56,8 @@ from pagedllm.quantization.base import (
     output_sharded_parameter,
     per_shard_parameter,
 )
+
+logger = logging.getLogger(__name__)
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
@@ -57,6 +71,71 @@ def quantize_fp8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.
     scale = w.abs().amax(dim=1).clamp_min(1e-12) / FP8_MAX  # [rows]
     q = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)  # [rows, in]
     return q, scale
+
+
+def quantize_fp8_per_token(
+    x: torch.Tensor, static_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations ``x: [M, K]`` -> ``(e4m3 [M, K], scale [M, 1] float32)``: per-row ``max(max|x|, 1e-12) / 448``, or
+    the per-tensor ``static_scale`` (one float) for every row; ``q = e4m3(clamp(x / scale, -448, 448))``."""
+    x32 = x.to(torch.float32)
+    if static_scale is None:
+        # A tensor divisor: CUDA divides by a Python scalar through its reciprocal (1 ulp off true division,
+        # which the Triton kernel does).
+        fp8_max = torch.full((), FP8_MAX, dtype=torch.float32, device=x.device)
+        scale = x32.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / fp8_max  # [M, 1]
+    else:
+        scale = static_scale.to(torch.float32).reshape(1, 1).expand(x.shape[0], 1).contiguous()
+    q = (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def fp8_linear(
+    x: torch.Tensor,  # [M, K] bf16/fp16/fp32
+    weight: torch.Tensor,  # [N, K] float8_e4m3fn, row-major (so weight.t() is column-major, as _scaled_mm needs)
+    weight_scale: torch.Tensor,  # [1, N] float32
+    input_scale: torch.Tensor | None = None,  # [1] float32: static activations
+    bias: torch.Tensor | None = None,  # [N]
+    quantize=quantize_fp8_per_token,  # or the Triton kernel pagedllm.kernels.fp8_quant.quant_fp8_per_token
+) -> torch.Tensor:  # [M, N] in x.dtype
+    """W8A8 ``x @ (weight * weight_scale).T + bias`` through ``torch._scaled_mm`` (CUDA, capability >= 8.9; ``K``
+    and ``N`` multiples of 16)."""
+    N, K = weight.shape
+    assert x.dim() == 2 and x.shape[1] == K, f"x {tuple(x.shape)} vs weight {tuple(weight.shape)}"
+    assert weight_scale.shape == (1, N) and weight_scale.dtype == torch.float32
+    q, scale = quantize(x, input_scale)  # [M, K] e4m3, [M, 1] float32
+    out = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale, out_dtype=torch.bfloat16)
+    if out.dtype != x.dtype:
+        out = out.to(x.dtype)
+    if bias is not None:
+        out += bias
+    return out
+
+
+def fp8_linear_ref(
+    q: torch.Tensor,  # [M, K] e4m3: the quantized activations fp8_linear used
+    scale: torch.Tensor,  # [M, 1] float32
+    weight: torch.Tensor,  # [N, K] e4m3
+    weight_scale: torch.Tensor,  # [1, N] float32
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:  # [M, N] float32
+    """The twin of ``fp8_linear`` given its quantized activations, in float32."""
+    out = (q.to(torch.float32) * scale) @ (weight.to(torch.float32) * weight_scale.reshape(-1, 1)).t()
+    return out if bias is None else out + bias.to(torch.float32)
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        logger.warning(message)
+
+
+def fp8_matmul_supported(device: torch.device) -> bool:
+    """Whether ``torch._scaled_mm`` runs on ``device`` (CUDA with compute capability >= 8.9: Ada, Hopper, later)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 @dataclass
@@ -143,7 +222,12 @@ class Fp8LinearMethod(LinearMethod):
         if self.strategy == "block":
             scale = self._block_scale(layer)
         elif self.strategy == "online":
-            scale = _tag(nn.Parameter(torch.empty(out_size), requires_grad=False), layer, _no_loader, True)
+            scale = _tag(  # float32 whatever the model's dtype: the scale quantize_fp8_per_channel computed
+                nn.Parameter(torch.empty(out_size, dtype=torch.float32), requires_grad=False),
+                layer,
+                _no_loader,
+                True,
+            )
         else:
             scale = self._row_scale(layer)
         setattr(layer, self.scale_name, scale)
@@ -246,7 +330,55 @@ class Fp8LinearMethod(LinearMethod):
             pieces.append(weight[start : start + size] * full)  # [size, in]
         return torch.cat(pieces, dim=0)
 
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        if layer.weight.device.type != "cuda":
+            return
+        if self.strategy == "block":
+            _warn_once(
+                "block",
+                "block-wise FP8 weights run as dequantize + matmul on the GPU (no FP8 block kernel yet): correct "
+                "but slower than bf16",
+            )
+            return
+        if not fp8_matmul_supported(layer.weight.device):
+            _warn_once(
+                "capability",
+                f"this GPU (compute capability {torch.cuda.get_device_capability(layer.weight.device)}) has no FP8 "
+                "matmul (needs >= 8.9): FP8 weights are dequantized for every matmul (weight-only, slow)",
+            )
+            return
+        if layer.input_size % 16 or layer.output_size % 16:
+            _warn_once(
+                f"shape{layer.input_size}x{layer.output_size}",
+                f"FP8 layer {layer.input_size} -> {layer.output_size}: sizes not multiples of 16, which "
+                "torch._scaled_mm needs; it is dequantized for every matmul instead",
+            )
+            return
+        self.enable_w8a8(layer)
+
+    def enable_w8a8(self, layer: Linear) -> None:
+        """Use ``torch._scaled_mm`` for this layer (module docstring)."""
+        scale = getattr(layer, self.scale_name)  # [out] float32
+        layer.fp8_weight_scale = (
+            scale.data.to(torch.float32).reshape(1, layer.output_size).contiguous()
+        )  # [1, out]
+        layer.fp8_input_scale = None
+        if self.static_input_scale:
+            layer.fp8_input_scale = layer.input_scale.data.max().reshape(1).to(torch.float32)  # [1]
+        layer.fp8_w8a8 = True
+
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if getattr(layer, "fp8_w8a8", False):
+            x2 = x.reshape(-1, layer.input_size)
+            if x2.stride(-1) != 1:
+                x2 = x2.contiguous()
+            quantize = quantize_fp8_per_token
+            if use_fused_kernels(x2):
+                from pagedllm.kernels.fp8_quant import quant_fp8_per_token as quantize
+            out = fp8_linear(
+                x2, layer.weight, layer.fp8_weight_scale, layer.fp8_input_scale, layer.bias, quantize
+            )
+            return out.reshape(*x.shape[:-1], layer.output_size)
         return F.linear(x, self.dequantize(layer).to(x.dtype), layer.bias)
 
 

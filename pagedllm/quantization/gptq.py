@@ -19,7 +19,21 @@ Fused layers: the checkpoint's q/k/v (gate/up) tensors stack along the output di
 along dim 1, ``qzeros`` along dim 1 in units of 8 outputs; ``g_idx`` is kept per shard (``[num_shards,
 in]``) since each source layer has its own.
 
-The PyTorch path dequantizes to float32 on every call and runs ``F.linear`` (the oracle for a W4A16 kernel).
+The PyTorch path (CPU, and CUDA without Triton) dequantizes to float32 on every call and runs ``F.linear``: the
+oracle for the GPU path.
+
+GPU path (CUDA with Triton, ``pagedllm/kernels/w4a16_gemm.py``), prepared once in ``process_weights_after_loading``:
+
+- every shard has the same ``g_idx`` (always so for published checkpoints: q/k/v, gate/up read the same input, so
+  GPTQ's act-order permutation, taken from that input's statistics, is the same) and it is ``i // group_size``:
+  one "grouped" launch for all shards, one row of zeros/scales per K step;
+- the same act-order ``g_idx`` (a permutation of ``i // group_size``): ``qweight``'s rows are sorted by group at
+  load (stable ``argsort(g_idx)``, kept as ``w4a16_perm``) and ``g_idx`` becomes ``i // group_size``; each call
+  permutes the input's columns to match (``x[:, w4a16_perm]``), then one grouped launch;
+- otherwise (shards with different ``g_idx``): one launch per shard, gathering zeros/scales by ``g_idx``.
+
+The kernel computes the twin's products up to rounding the float32 weight to the activation dtype (bf16/fp16);
+``dequantize`` still returns the checkpoint's weight after the reordering (it undoes ``w4a16_perm``).
 """
 
 from __future__ import annotations
@@ -32,11 +46,13 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.layers.linear import Linear, LinearMethod
+from pagedllm.platform import use_fused_kernels
 from pagedllm.quantization.base import (
     QuantizationConfig,
     _get,
     is_ignored,
     output_sharded_parameter,
+    pack_int4,
     per_shard_parameter,
     unpack_int4,
 )
@@ -116,10 +132,75 @@ class GPTQLinearMethod(LinearMethod):
         if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= num_groups):
             raise ValueError(f"GPTQ g_idx holds groups outside [0, {num_groups})")
         layer.g_idx_shared = bool((g_idx == g_idx[:1]).all())  # one dequantization for all shards
+        if use_fused_kernels(layer.qweight):
+            self.prepare_kernel(layer)
+
+    def zero_offset(self) -> int:
+        return 1 if self.config.checkpoint_format == "gptq" else 0
+
+    def prepare_kernel(self, layer: Linear) -> None:
+        """Ready ``layer`` for the W4A16 kernel (module docstring): sorts act-order rows by group when every shard
+        shares ``g_idx``. Runs on any device (tests call it on CPU under Triton's interpreter)."""
+        if getattr(layer, "w4a16_mode", None) is not None:
+            return
+        group_size = self.group_size(layer)
+        default = (torch.arange(layer.input_size, device=layer.g_idx.device) // group_size).to(torch.int32)
+        layer.w4a16_perm = None
+        layer.w4a16_mode = "gather"
+        if layer.g_idx_shared:
+            g_idx = layer.g_idx[0]
+            if torch.equal(g_idx, default):
+                layer.w4a16_mode = "grouped"
+            else:
+                perm = torch.argsort(g_idx, stable=True)  # [in]: stored row j is input channel perm[j]
+                if torch.equal(g_idx[perm], default):
+                    q = unpack_int4(layer.qweight.data, dim=0)  # [in, out] uint8
+                    layer.qweight.data = pack_int4(q[perm], dim=0)
+                    del q
+                    layer.g_idx.data.copy_(default.expand_as(layer.g_idx))
+                    layer.w4a16_perm = perm
+                    layer.w4a16_mode = "grouped"
+
+    def apply_kernel(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        from pagedllm.kernels.w4a16_gemm import w4a16_gemm
+
+        x2 = x.reshape(-1, layer.input_size)  # [M, in]
+        if layer.w4a16_mode == "grouped":
+            if layer.w4a16_perm is not None:
+                x2 = x2.index_select(1, layer.w4a16_perm)
+            out = w4a16_gemm(
+                x2,
+                layer.qweight,
+                layer.qzeros,
+                layer.scales,
+                None,
+                self.zero_offset(),
+                group_size=self.group_size(layer),
+            )
+        elif layer.g_idx_shared:
+            out = w4a16_gemm(
+                x2, layer.qweight, layer.qzeros, layer.scales, layer.g_idx[0], self.zero_offset()
+            )
+        else:
+            pieces = []
+            for shard, (start, size) in enumerate(zip(layer.shard_offsets, layer.output_sizes, strict=True)):
+                pieces.append(
+                    w4a16_gemm(
+                        x2,
+                        layer.qweight[:, start : start + size],
+                        layer.qzeros[:, start // 8 : (start + size) // 8],
+                        layer.scales[:, start : start + size],
+                        layer.g_idx[shard],
+                        self.zero_offset(),
+                    )
+                )
+            out = torch.cat(pieces, dim=1)
+        if layer.bias is not None:
+            out += layer.bias
+        return out.reshape(*x.shape[:-1], layer.output_size)
 
     def zeros(self, layer: Linear) -> torch.Tensor:  # [G, out] int32
-        zeros = unpack_int4(layer.qzeros, dim=1).to(torch.int32)
-        return zeros + 1 if self.config.checkpoint_format == "gptq" else zeros
+        return unpack_int4(layer.qzeros, dim=1).to(torch.int32) + self.zero_offset()
 
     def dequantize(self, layer: Linear) -> torch.Tensor:  # [out, in] float32
         q = unpack_int4(layer.qweight, dim=0).to(torch.float32)  # [in, out]
@@ -134,7 +215,13 @@ class GPTQLinearMethod(LinearMethod):
             g = layer.g_idx[shard].long()  # [in]
             cols = slice(start, start + size)
             pieces.append((q[:, cols] - zeros[g, cols]) * scales[g, cols])  # [in, size]
-        return torch.cat(pieces, dim=1).t().contiguous()  # [out, in]
+        weight = torch.cat(pieces, dim=1).t()  # [out, in] (input channels in stored order)
+        perm = getattr(layer, "w4a16_perm", None)
+        if perm is not None:  # stored column j is input channel perm[j]
+            weight = weight[:, torch.argsort(perm)]
+        return weight.contiguous()
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if getattr(layer, "w4a16_mode", None) is not None:
+            return self.apply_kernel(layer, x)
         return F.linear(x, self.dequantize(layer).to(x.dtype), layer.bias)
