@@ -38,7 +38,8 @@ class EngineCore:
             from pagedllm.spec_decode.proposer import make_proposer
 
             assert not config.scheduler_config.async_scheduling, "speculative decoding runs synchronously"
-            self.proposer = make_proposer(config)  # a draft model loads here, before the memory profile
+            # A draft model loads here, before the memory profile.
+            self.proposer = make_proposer(config, self.runner)
         t_load = time.perf_counter()
         extra_block_bytes = self.proposer.kv_block_bytes() if self.proposer is not None else 0
         num_blocks = self.runner.determine_num_blocks(extra_block_bytes)
@@ -193,9 +194,10 @@ class EngineCore:
             self._wait_for_grammars()
         step = self.runner.launch(sched)
         self.runner.sample(step, self._grammar_bitmask(step))
-        outputs = self.scheduler.update_from_output(sched, self.runner.collect(step))
+        result = self.runner.collect(step)
+        outputs = self.scheduler.update_from_output(sched, result)
         if self.proposer is not None:
-            self.proposer.propose(self.scheduler.running)
+            self.proposer.propose(self.scheduler.running, sched, step, result)
         return self._finish_outputs(outputs)
 
     def _step_async(self) -> EngineCoreOutputs:

@@ -177,6 +177,7 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     norm_cls: type[RMSNorm] = RMSNorm
+    aux_hidden_state_layers: tuple[int, ...] = ()  # set on the instance for an EAGLE-3 draft
 
     def __init__(
         self, config: Any, attn_backend: AttentionBackend, attention_cls: type[LlamaAttention]
@@ -198,12 +199,20 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,  # [T]
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, hidden_size]
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [T, hidden_size] (+ [T, A * hidden_size])
+        """The final hidden states; with ``aux_hidden_state_layers`` set (an EAGLE-3 draft reads them), also the
+        residual stream entering each of those layers, concatenated."""
         hidden = self.embed(input_ids)  # [T, hidden_size]
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        aux_layers = self.aux_hidden_state_layers
+        aux = []
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if i in aux_layers:
+                aux.append(hidden if residual is None else hidden + residual)
             hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
         hidden, _ = self.norm(hidden, residual)
+        if aux:
+            return hidden, torch.cat(aux, dim=-1)
         return hidden
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden_size]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -89,14 +90,18 @@ class DraftModelProposer:
         self.runner.maybe_capture_cuda_graphs()
         self.kv = kv
 
-    def propose(self, requests: Sequence[Request]) -> None:
+    def propose(self, requests: Sequence[Request], *step_info: Any) -> None:
         budget = self.max_num_tokens
         chosen: list[tuple[Request, int]] = []  # (request, its number of drafts)
         for request in requests:
             if not can_speculate(request):
                 continue
             num_tokens = request.num_tokens
-            k = min(self.k, self.max_model_len - num_tokens - 1, request.max_tokens - request.num_output_tokens - 1)
+            k = min(
+                self.k,
+                self.max_model_len - num_tokens - 1,
+                request.max_tokens - request.num_output_tokens - 1,
+            )
             state = self.states.get(request.request_id)
             catch_up = num_tokens - (state.num_computed if state else 0)
             if k <= 0 or catch_up > budget:

@@ -10,13 +10,14 @@ on the drafts before it, which the verification step does not model. They decode
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from pagedllm.config import EngineConfig, SpeculativeConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.spec_decode.ngram import NgramProposer
 from pagedllm.worker.input_batch import needs_history
 
@@ -38,9 +39,16 @@ class Proposer(Protocol):
     def init_kv_cache(self, num_blocks: int, kv: KVCacheManager) -> None:
         """Called once the target's cache has ``num_blocks`` blocks; ``kv`` holds the target's block tables."""
 
-    def propose(self, requests: Sequence[Request]) -> None:
+    def propose(
+        self,
+        requests: Sequence[Request],
+        sched: SchedulerOutput | None = None,
+        step: Any = None,
+        result: ModelRunnerOutput | None = None,
+    ) -> None:
         """Set ``spec_token_ids`` of each request in ``requests`` that can speculate (called after every step
-        with the running requests; a request missing from ``requests`` is finished or preempted)."""
+        with the running requests; a request missing from ``requests`` is finished or preempted). ``sched``,
+        ``step`` (the runner's ``StepInFlight``) and ``result`` describe the step just finished."""
 
 
 class NgramSpecProposer:
@@ -51,7 +59,7 @@ class NgramSpecProposer:
             config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
         )
 
-    def propose(self, requests: Sequence[Request]) -> None:
+    def propose(self, requests: Sequence[Request], *step_info: Any) -> None:
         for request in requests:
             if can_speculate(request):
                 request.spec_token_ids = self.ngram.propose(np.asarray(request.all_token_ids)).tolist()
@@ -63,7 +71,8 @@ class NgramSpecProposer:
         pass
 
 
-def make_proposer(config: EngineConfig) -> Proposer:
+def make_proposer(config: EngineConfig, runner: Any) -> Proposer:
+    """The proposer ``config.speculative_config`` names; ``runner`` is the target's ``ModelRunner``."""
     spec = config.speculative_config
     if spec.method == "ngram":
         return NgramSpecProposer(spec)
@@ -71,4 +80,6 @@ def make_proposer(config: EngineConfig) -> Proposer:
         from pagedllm.spec_decode.draft_model import DraftModelProposer
 
         return DraftModelProposer(config)
-    raise ValueError(f"speculative_config.method {spec.method!r} is not supported yet")
+    from pagedllm.spec_decode.eagle import EagleProposer
+
+    return EagleProposer(config, runner)

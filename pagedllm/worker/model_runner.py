@@ -51,6 +51,8 @@ class StepInFlight:
     spec_draft_ids: np.ndarray | None = None  # [num_sampled, k] the drafts, padded with 0
     spec_num_accepted: torch.Tensor | None = None  # [num_sampled] int64 accepted drafts (on the host on CUDA)
     output: ModelRunnerOutput | None = None  # set by collect
+    query_start: np.ndarray | None = None  # [num_reqs + 1] offsets of each request's tokens in the step
+    draft_hidden: torch.Tensor | None = None  # [num_tokens, D] hidden states an EAGLE draft reads (else None)
 
 
 class ModelRunner:
@@ -83,6 +85,9 @@ class ModelRunner:
         self.graph_runner: CudaGraphRunner | None = None
         self._last_step: StepInFlight | None = None  # the latest step with sampled tokens
         self._next_step_id = 0
+        # EAGLE drafts read each step's hidden states (StepInFlight.draft_hidden); such steps run eagerly.
+        spec = config.speculative_config
+        self.keep_hidden = spec is not None and spec.method in ("eagle", "eagle3")
 
     # ------------------------------------------------------------------ KV cache sizing
 
@@ -185,7 +190,12 @@ class ModelRunner:
 
     def maybe_capture_cuda_graphs(self) -> None:
         """Capture decode graphs unless eager mode was asked for or the backend cannot be captured."""
-        if self.config.enforce_eager or self.device.type != "cuda" or self.attn_backend.name != "triton":
+        if (
+            self.config.enforce_eager
+            or self.keep_hidden
+            or self.device.type != "cuda"
+            or self.attn_backend.name != "triton"
+        ):
             return
         self.graph_runner = CudaGraphRunner(
             self.model,
@@ -313,9 +323,14 @@ class ModelRunner:
                 torch.from_numpy(positions).to(dev, non_blocking=True),
                 self.kv_caches,
                 meta,
-            )  # [num_tokens, hidden_size]
+            )  # [num_tokens, hidden_size], or (that, aux hidden states) for an EAGLE-3 draft
+        if isinstance(hidden, tuple):
+            hidden, step.draft_hidden = hidden
+        elif self.keep_hidden:
+            step.draft_hidden = hidden  # an EAGLE draft reads the target's final hidden states
 
         step.req_ids = req_ids
+        step.query_start = cu  # [num_reqs + 1] flattened offsets of each request's tokens
         self._prompt_logprobs(req_ids, rows, num_computed, num_sched, cu, hidden, step.prompt_logprobs)
         # Which requests reach the end of their known tokens (and so produce one).
         sample_idx = np.nonzero((num_computed + num_sched - num_draft) == batch.num_tokens_np[rows])[0]

@@ -1,0 +1,213 @@
+"""EAGLE / EAGLE-3 proposer: a one-layer head over the target's hidden states (``pagedllm/models/eagle.py``).
+
+After every target step the head runs over what the target just computed and kept (prefill chunks included,
+rejected drafts excluded), so its own one-layer KV cache follows the target's tokens: for each kept position p it
+reads the token at p + 1 and the target's hidden state at p. The head's KV cache has the target's blocks (the
+same block ids and slots, like the draft model's), with the scheduler's ``k`` lookahead slots for the drafts.
+For each request that may speculate, the head's output at its last position gives draft 1 (argmax); drafts
+2..k feed the head its own output hidden and the previous draft. The target's steps run eagerly (their hidden
+states must be kept), and drafts are deterministic, so the rejection sampler keeps the output exact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagedllm.attention.base import AttentionMetadata
+from pagedllm.config import EngineConfig, PlainHFConfig
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.request import Request
+from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.spec_decode.proposer import can_speculate
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class EagleProposer:
+    def __init__(self, config: EngineConfig, runner: Any) -> None:
+        from pagedllm.model_loader import _default_dtype, init_dummy_weights, iter_safetensors, load_weights
+        from pagedllm.models.eagle import Eagle3LlamaHead, EagleLlamaHead, eagle3_aux_layers
+        from pagedllm.models.llama import LlamaModel
+
+        spec = config.speculative_config
+        self.k = spec.num_speculative_tokens
+        self.method = spec.method
+        self.runner = runner  # the target's: its model (embedding, LM head), device, attention backend
+        self.device = runner.device
+        self.block_size = config.cache_config.block_size
+        self.max_model_len = config.model_config.max_model_len
+        target = runner.model
+        inner = getattr(target, "model", None)
+        if not isinstance(inner, LlamaModel) or type(inner).forward is not LlamaModel.forward:
+            raise ValueError(
+                f"speculative_config.method {spec.method!r} needs a Llama-family target (Llama, Mistral, Qwen2/3)"
+            )
+        with open(os.path.join(spec.model, "config.json")) as f:
+            head_config = PlainHFConfig(json.load(f))
+        tensors = {} if config.model_config.load_format == "dummy" else dict(iter_safetensors(spec.model))
+        with _default_dtype(config.model_config.dtype), torch.device(self.device):
+            if spec.method == "eagle":
+                head = EagleLlamaHead(head_config, runner.attn_backend, fc_bias="fc.bias" in tensors)
+            else:
+                head = Eagle3LlamaHead(head_config, runner.attn_backend, config.model_config.vocab_size)
+        if head_config.hidden_size != config.model_config.hf_config.hidden_size:
+            raise ValueError(
+                f"speculative_config.model: the head's hidden_size ({head_config.hidden_size}) differs from the "
+                f"target's ({config.model_config.hf_config.hidden_size})"
+            )
+        if config.model_config.load_format == "dummy":
+            init_dummy_weights(head, config.model_config.seed)
+        else:
+            tensors.pop("embed_tokens.weight", None)  # EAGLE-1 ships a copy of the target's embedding
+            d2t = tensors.pop("d2t", None)
+            tensors.pop("t2d", None)
+            load_weights(head, iter(tensors.items()))
+            if d2t is not None:
+                head.d2t.copy_(d2t.to(torch.long))
+        self.head = head.eval()
+        self.aux_layers = eagle3_aux_layers(len(inner.layers)) if spec.method == "eagle3" else ()
+        if self.aux_layers and len(set(self.aux_layers)) != 3 or min(self.aux_layers, default=0) < 0:
+            raise ValueError(
+                f"speculative_config.method 'eagle3' reads target layers {self.aux_layers}: the target needs at "
+                "least 7 layers"
+            )
+        self.kv_cache: list[torch.Tensor] = []
+        self.kv: KVCacheManager | None = None
+
+    # ------------------------------------------------------------------ start-up
+
+    def kv_block_bytes(self) -> int:
+        attn = self._attn()
+        elem = torch.empty((), dtype=self.runner.dtype).element_size()
+        return 2 * self.block_size * attn.num_kv_heads * attn.head_dim * elem
+
+    def _attn(self) -> Any:
+        return self.head.layers[0].self_attn if self.method == "eagle" else self.head.midlayer.self_attn
+
+    def init_kv_cache(self, num_blocks: int, kv: KVCacheManager) -> None:
+        attn = self._attn()
+        shape = (2, num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
+        self.kv_cache = [torch.zeros(shape, dtype=self.runner.dtype, device=self.device)]
+        self.kv = kv
+        self.runner.model.model.aux_hidden_state_layers = self.aux_layers  # the target now returns them
+
+    # ------------------------------------------------------------------ per step
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        requests: Sequence[Request],
+        sched: SchedulerOutput | None = None,
+        step: Any = None,
+        result: ModelRunnerOutput | None = None,
+    ) -> None:
+        if sched is None or step is None or step.draft_hidden is None:
+            return
+        live = {r.request_id: r for r in requests}
+        # 1. Catch up over every position the target computed and kept this step.
+        rows, segs = [], []  # hidden rows to read; (request, first position, count) per request
+        for i, req_id in enumerate(step.req_ids):
+            request = live.get(req_id)
+            if request is None:
+                continue
+            start = sched.num_computed_tokens[req_id]
+            count = sched.num_scheduled_tokens[req_id]
+            drafts = sched.scheduled_spec_decode_tokens.get(req_id)
+            if drafts:
+                count -= len(drafts) + 1 - len(result.sampled_token_ids.get(req_id, ()))  # rejected ones
+            count = min(count, request.num_tokens - 1 - start)  # the head needs the token at p + 1
+            if count <= 0:
+                continue
+            first = int(step.query_start[i])
+            rows.extend(range(first, first + count))
+            segs.append((request, start, count))
+        if not segs:
+            return
+        hidden = step.draft_hidden[torch.tensor(rows, device=self.device)]  # [n, D]
+        token_ids = np.concatenate(
+            [np.asarray(r.all_token_ids[s + 1 : s + 1 + c], dtype=np.int64) for r, s, c in segs]
+        )
+        out = self._forward(token_ids, hidden, segs)  # [n, H]
+        # 2. Drafts for the requests that may speculate and whose last kept position is their last token's.
+        ends = np.cumsum([c for _, _, c in segs]) - 1
+        chosen = []
+        for (request, start, count), end in zip(segs, ends):
+            k = min(
+                self.k,
+                self.max_model_len - request.num_tokens - 1,
+                request.max_tokens - request.num_output_tokens - 1,
+            )
+            if can_speculate(request) and start + count == request.num_tokens - 1 and k > 0:
+                chosen.append((request, int(end), k))
+        if not chosen:
+            return
+        h = out[torch.tensor([e for _, e, _ in chosen], device=self.device)]  # [m, H]
+        drafts = [[] for _ in chosen]
+        for j in range(max(k for _, _, k in chosen)):
+            token = self._logits(h).argmax(dim=-1)  # [m] the draft at position num_tokens + j
+            for d, t in zip(drafts, token.tolist()):
+                d.append(t)
+            alive = [i for i, (_, _, k) in enumerate(chosen) if k > j + 1]
+            if not alive:
+                break
+            # Next: the head at position num_tokens - 1 + j reads the draft just made and its own hidden.
+            segs_j = [(chosen[i][0], chosen[i][0].num_tokens - 1 + j, 1) for i in alive]
+            idx = torch.tensor(alive, device=self.device)
+            h_next = self._forward(token.cpu().numpy()[alive], h[idx], segs_j)
+            h = h.clone()
+            h[idx] = h_next
+        for (request, _, k), d in zip(chosen, drafts):
+            request.spec_token_ids = d[:k]
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.method == "eagle":
+            return self.runner.model.compute_logits(hidden)
+        return self.head.compute_logits(hidden)
+
+    def _forward(
+        self, token_ids: np.ndarray, hidden: torch.Tensor, segs: list[tuple[Request, int, int]]
+    ) -> torch.Tensor:  # [n, H]
+        """One head pass: request r's tokens at positions ``start .. start + count - 1`` (its context before
+        them is in the head's cache), reading ``hidden`` row by row."""
+        dev = self.device
+        bs = self.block_size
+        counts = np.array([c for _, _, c in segs], dtype=np.int64)
+        starts = np.array([s for _, s, _ in segs], dtype=np.int64)
+        cu = np.zeros(len(segs) + 1, dtype=np.int64)
+        np.cumsum(counts, out=cu[1:])
+        req_of = np.repeat(np.arange(len(segs)), counts)
+        positions = np.arange(int(cu[-1])) - cu[req_of] + starts[req_of]
+        seq_lens = (starts + counts).astype(np.int32)
+        max_blocks = _cdiv(int(seq_lens.max()), bs)
+        table = np.zeros((len(segs), max_blocks), dtype=np.int32)
+        for i, (request, _, _) in enumerate(segs):
+            ids = self.kv.get_block_ids(request.request_id)[:max_blocks]
+            table[i, : len(ids)] = ids
+        slots = table[req_of, positions // bs].astype(np.int64) * bs + positions % bs
+        qsl = torch.from_numpy(cu.astype(np.int32))
+        lens = torch.from_numpy(seq_lens)
+        meta = AttentionMetadata(
+            num_reqs=len(segs),
+            num_tokens=int(cu[-1]),
+            max_query_len=int(counts.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc=qsl.to(dev),
+            seq_lens=lens.to(dev),
+            block_table=torch.from_numpy(table).to(dev),
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=lens,
+            is_pure_decode=bool((counts == 1).all()),
+        )
+        embeds = self.runner.model.model.embed(torch.from_numpy(np.ascontiguousarray(token_ids)).to(dev))
+        return self.head(
+            embeds, hidden.to(embeds.dtype), torch.from_numpy(positions).to(dev), self.kv_cache, meta
+        )
