@@ -301,6 +301,27 @@ class SpeculativeConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Multi-LoRA serving (vLLM's names and defaults): at most ``max_loras`` distinct adapters per step (GPU
+    slots), of rank <= ``max_lora_rank``, and ``max_cpu_loras`` (default ``max_loras``) kept on the host."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        cpu = self.max_cpu_loras
+        if isinstance(cpu, bool) or not isinstance(cpu, int) or cpu < self.max_loras:
+            raise ValueError(f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), got {cpu!r}")
+
+
+@dataclass
 class DeviceConfig:
     device: str | torch.device = "auto"
 
@@ -327,6 +348,7 @@ class EngineConfig:
     check_integrity_on_idle: bool = True  # check the KV block pool each time the engine runs out of work
     reasoning_parser: str | None = None  # structured outputs then apply after the reasoning ends
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
+    lora_config: LoRAConfig | None = None  # None: LoRA adapters are refused
 
 
 def make_engine_config(
@@ -356,6 +378,10 @@ def make_engine_config(
     reasoning_parser: str | None = None,
     speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
     quantization: str | None = None,
+    enable_lora: bool = False,
+    max_loras: int = 1,
+    max_lora_rank: int = 16,
+    max_cpu_loras: int | None = None,
 ) -> EngineConfig:
     """Build every config from vLLM-named keyword arguments (what ``LLM(...)`` and ``pagedllm serve`` take)."""
     if reasoning_parser is not None:
@@ -363,6 +389,7 @@ def make_engine_config(
 
         get_reasoning_parser(reasoning_parser)  # ValueError naming the valid ones
     device_config = DeviceConfig(device)
+    lora_config = LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None
     spec = None if speculative_config is None else SpeculativeConfig.from_dict(speculative_config)
     model_config = ModelConfig(
         model=model,
@@ -419,4 +446,5 @@ def make_engine_config(
         check_integrity_on_idle=check_integrity_on_idle,
         reasoning_parser=reasoning_parser,
         speculative_config=spec,
+        lora_config=lora_config,
     )

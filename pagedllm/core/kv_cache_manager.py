@@ -40,9 +40,11 @@ class KVCacheManager:
         """Extend ``request.block_hashes`` to cover every full block among its first ``num_tokens`` tokens."""
         bs = self.block_size
         hashes = request.block_hashes
+        lora_id = request.lora_int_id
+        extra_keys = (lora_id,) if lora_id else ()  # an adapter changes every layer's KV: its own hash space
         for i in range(len(hashes), num_tokens // bs):
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, request.all_token_ids[i * bs : (i + 1) * bs]))
+            hashes.append(hash_block_tokens(parent, request.all_token_ids[i * bs : (i + 1) * bs], extra_keys))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of a request that has computed nothing yet: (blocks, number of tokens).

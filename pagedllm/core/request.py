@@ -6,6 +6,7 @@ import enum
 from typing import Any
 
 from pagedllm.core.sched_output import EngineCoreRequest
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -47,8 +48,10 @@ class Request:
         eos_token_id: int | None,
         arrival_time: float,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
+        self.lora_request = lora_request  # None: the base model
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
@@ -85,7 +88,13 @@ class Request:
             req.eos_token_id,
             req.arrival_time,
             req.priority,
+            req.lora_request,
         )
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id (0: the base model); part of every block hash (adapters never share KV)."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def num_tokens(self) -> int:

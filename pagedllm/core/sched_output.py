@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 # ---------------------------------------------------------------- front-end <-> engine core
@@ -23,6 +24,7 @@ class EngineCoreRequest:
     eos_token_id: int | None
     arrival_time: float
     priority: int = 0
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
 
 @dataclass
@@ -94,6 +96,7 @@ class NewRequestData:
     num_computed_tokens: int  # before this step (prefix-cache hits included)
     eos_token_id: int | None = None
     output_token_ids: list[int] = field(default_factory=list)  # for penalties after a resume
+    lora_request: LoRARequest | None = None  # the adapter its tokens run through (None: the base model)
 
 
 @dataclass

@@ -95,8 +95,10 @@ class WaitingQueue:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_loras: int = 0) -> None:
+        """``max_loras``: most distinct LoRA adapters among running requests (0: LoRA is off)."""
         self.config = config
+        self.max_loras = max_loras
         self.kv = kv_cache_manager
         self.block_size = kv_cache_manager.block_size
         self.requests: dict[str, Request] = {}
@@ -231,13 +233,25 @@ class Scheduler:
 
         # 2. Waiting requests, unless this step already had to preempt (no room to grow).
         new_reqs: list[Request] = []
-        waiting_for_grammar: list[Request] = []
+        set_aside: list[Request] = []  # skipped this step (grammar compiling, adapter over max_loras)
+        # distinct adapters among running requests (kept <= max_loras; an empty set when LoRA is off)
+        active_loras: set[int] = set()
+        if self.max_loras and self.waiting:
+            active_loras = {r.lora_int_id for r in self.running if r.lora_request is not None}
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             if request.num_output_placeholders:
                 break  # preempted with a token still in flight: resumable once that token is known
             if request.grammar is not None and not request.grammar.ready():
-                waiting_for_grammar.append(self.waiting.pop())  # still compiling: let the others go first
+                set_aside.append(self.waiting.pop())  # still compiling: let the others go first
+                continue
+            if (
+                self.max_loras
+                and request.lora_request is not None
+                and request.lora_int_id not in active_loras
+                and len(active_loras) >= self.max_loras
+            ):
+                set_aside.append(self.waiting.pop())  # its adapter would exceed max_loras: others may go
                 continue
             if request.grammar is not None and request.grammar.error is not None:
                 self.waiting.pop()
@@ -261,11 +275,13 @@ class Scheduler:
             request.num_computed_tokens = num_hit
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if request.lora_request is not None:
+                active_loras.add(request.lora_int_id)
             new_reqs.append(request)
             scheduled[request.request_id] = num_new
             budget -= num_new
 
-        for request in reversed(waiting_for_grammar):
+        for request in reversed(set_aside):
             self.waiting.add(request, front=True)
 
         # 3. Package: new (or resumed) requests in full, the others as diffs.
@@ -286,6 +302,7 @@ class Scheduler:
                         num_computed_tokens=request.num_computed_tokens,
                         eos_token_id=request.eos_token_id,
                         output_token_ids=list(request.output_token_ids),
+                        lora_request=request.lora_request,
                     )
                 )
             else:

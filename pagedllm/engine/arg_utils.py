@@ -56,6 +56,14 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
         help='speculative decoding, as JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4}\' or \'{"model": DRAFT_DIR, "num_speculative_tokens": 4}\'',
     )
+    parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT directories)")
+    parser.add_argument(
+        "--max-loras", type=int, default=1, help="most distinct LoRA adapters in one batch (GPU slots)"
+    )
+    parser.add_argument("--max-lora-rank", type=int, default=16, help="largest LoRA rank accepted")
+    parser.add_argument(
+        "--max-cpu-loras", type=int, default=None, help="adapters cached on the host (default: --max-loras)"
+    )
     parser.add_argument(
         "--reasoning-parser",
         default=None,
@@ -111,6 +119,10 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         quantization=getattr(args, "quantization", None),
         speculative_config=getattr(args, "speculative_config", None),
         served_model_name=getattr(args, "served_model_name", None),
+        enable_lora=getattr(args, "enable_lora", False),
+        max_loras=getattr(args, "max_loras", 1),
+        max_lora_rank=getattr(args, "max_lora_rank", 16),
+        max_cpu_loras=getattr(args, "max_cpu_loras", None),
     )
 
 

@@ -28,6 +28,7 @@ from pagedllm.core.sched_output import SchedulerStats
 from pagedllm.engine.core_process import DEFAULT_ENGINE_CORE, EngineCoreClient, EngineDeadError
 from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.output_processor import FinishedRequestStats, IterationStats, OutputProcessor
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.tokenizer import get_tokenizer
@@ -161,8 +162,10 @@ class AsyncLLM:
         prompt: PromptType,
         sampling_params: SamplingParams,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
-        """Validate and queue a request now; return the stream of its outputs.
+        """Validate and queue a request now; return the stream of its outputs. ``lora_request``: the adapter
+        it runs with (the core loads it; a load failure ends the stream with a ``ValueError``).
 
         Raises ``ValueError`` (naming the field) for invalid input, with nothing queued, and ``EngineDeadError``
         if the engine is dead. The caller must iterate the stream to its end or ``close()`` it (which aborts the
@@ -172,7 +175,13 @@ class AsyncLLM:
         self._check_alive()
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in flight")
-        processed = self.input_processor.process(request_id, prompt, sampling_params, priority=priority)
+        if lora_request is not None and self.config.lora_config is None:
+            raise ValueError(
+                "lora_request: LoRA is not enabled; start the engine with enable_lora=True (--enable-lora)"
+            )
+        processed = self.input_processor.process(
+            request_id, prompt, sampling_params, priority=priority, lora_request=lora_request
+        )
         queue: asyncio.Queue = asyncio.Queue()
         self.output_processor.add_request(processed, queue)
         entry = _RequestEntry(
@@ -209,13 +218,14 @@ class AsyncLLM:
         sampling_params: SamplingParams,
         request_id: str,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream outputs for one request (cumulative, deltas or final only, as ``sampling_params.output_kind``).
 
         Raises ``ValueError`` (naming the field) for invalid input before anything is queued, and
         ``EngineDeadError`` if the engine dies. Leaving the iteration early aborts the request.
         """
-        stream = self.add_request(request_id, prompt, sampling_params, priority)
+        stream = self.add_request(request_id, prompt, sampling_params, priority, lora_request)
         try:
             async for output in stream:
                 yield output
@@ -350,6 +360,24 @@ class AsyncLLM:
         self._ensure_started()
         self._check_alive()
         return bool(await self.engine_core.call_utility_async("reset_prefix_cache"))
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter in the core ahead of its requests (``ValueError`` naming what is wrong); False when
+        it was loaded already. Running requests are not disturbed."""
+        self._ensure_started()
+        self._check_alive()
+        return bool(await self.engine_core.call_utility_async("add_lora", lora_request))
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter in the core (requests running with it finish with it); False when unknown."""
+        self._ensure_started()
+        self._check_alive()
+        return bool(await self.engine_core.call_utility_async("remove_lora", lora_int_id))
+
+    async def list_loras(self) -> set[int]:
+        self._ensure_started()
+        self._check_alive()
+        return set(await self.engine_core.call_utility_async("list_loras"))
 
     async def is_idle(self) -> bool:
         self._ensure_started()

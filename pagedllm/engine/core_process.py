@@ -70,6 +70,9 @@ _UTILITIES = (
     "get_kv_cache_info",
     "debug_state",
     "ping",
+    "add_lora",
+    "remove_lora",
+    "list_loras",
 )
 
 # How long the idle core blocks on its input before checking that the API process is still alive.

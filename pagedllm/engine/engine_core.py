@@ -69,7 +69,13 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(
             num_blocks, block_size, config.cache_config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
+        lora_config = config.lora_config
+        self.scheduler = Scheduler(
+            config.scheduler_config,
+            self.kv_cache_manager,
+            max_loras=lora_config.max_loras if lora_config is not None else 0,
+        )
+        self._lora_paths: dict[int, str] = {}  # lora_int_id -> path, for good: ids key prefix-cache hashes
         self.async_scheduling = config.scheduler_config.async_scheduling
         if self.proposer is not None:
             self.proposer.init_kv_cache(num_blocks, self.kv_cache_manager)
@@ -114,6 +120,8 @@ class EngineCore:
             raise ValueError(
                 f"prompt_token_ids must be in [0, {self.vocab_size}): token ids out of vocabulary"
             )
+        if request.lora_request is not None:
+            self.add_lora(request.lora_request)  # ValueError naming lora_request, with nothing queued
         req = Request.from_engine_core_request(request)
         so = request.sampling_params.structured_outputs
         if so is not None:
@@ -304,6 +312,54 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ LoRA adapters
+
+    def add_lora(self, lora_request: Any) -> bool:
+        """Load (and validate) an adapter into the host cache, once per ``lora_int_id``; False when it was
+        there already.
+
+        ``ValueError`` naming ``lora_request`` when LoRA is off, the id is taken by another path (ids key the
+        prefix cache, so an id never changes meaning), or the adapter cannot be served (load_peft_adapter).
+        """
+        from pagedllm.lora.request import LoRARequest
+
+        manager = self.runner.lora_manager
+        if manager is None:
+            raise ValueError(
+                "lora_request: LoRA is not enabled; start the engine with enable_lora=True (--enable-lora)"
+            )
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        lora_id = lora_request.lora_int_id
+        known = self._lora_paths.get(lora_id)
+        if known is not None and known != lora_request.lora_path:
+            raise ValueError(
+                f"lora_request: lora_int_id {lora_id} already names the adapter at {known!r}, not "
+                f"{lora_request.lora_path!r}"
+            )
+        if known is not None and lora_id in manager.list_loras():
+            return False
+        try:
+            added = manager.add_lora(lora_request)
+        except ValueError as e:
+            raise ValueError(f"lora_request: {e}") from None
+        self._lora_paths[lora_id] = lora_request.lora_path
+        return added
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter; requests still running with it keep it (their slot stays until they finish, and
+        the host cache evicts it later). False when it was unknown."""
+        manager = self.runner.lora_manager
+        if manager is None or lora_int_id not in manager.list_loras():
+            return False
+        if any(r.lora_int_id == lora_int_id for r in self.scheduler.requests.values()):
+            return True
+        return manager.remove_lora(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        manager = self.runner.lora_manager
+        return set() if manager is None else manager.list_loras()
 
     def shutdown(self) -> None:
         self._pending_sample = None

@@ -124,13 +124,22 @@ class InputProcessor:
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: Any = None,
     ) -> ProcessedRequest:
         """Validate and tokenize one request; ``prompt`` is text, token ids, ``{"prompt": text}`` or
         ``{"prompt_token_ids": ids}`` (both keys: the ids are used, the text is reported back).
+        ``lora_request`` (a ``LoRARequest`` or None) goes to every child; the engine core loads it.
 
         ``arrival_time`` must come from ``time.monotonic()`` (the default); metrics subtract it from later times.
         ``params`` is not modified. Raises ``ValueError`` naming the field.
         """
+        if lora_request is not None:
+            from pagedllm.lora.request import LoRARequest
+
+            if not isinstance(lora_request, LoRARequest):
+                raise ValueError(
+                    f"lora_request must be a LoRARequest or None, got {type(lora_request).__name__}"
+                )
         prompt_text, prompt_token_ids = self._prompt_to_ids(prompt)
         self._validate_prompt(prompt_token_ids)
         params = self._prepare_params(params, len(prompt_token_ids))
@@ -144,6 +153,7 @@ class InputProcessor:
                 eos_token_id=self.eos_token_id,
                 arrival_time=arrival_time,
                 priority=priority,
+                lora_request=lora_request,
             )
             for i in range(params.n)
         ]

@@ -11,6 +11,7 @@ from pagedllm.core.sched_output import SchedulerStats
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.input_processor import InputProcessor, ProcessedRequest
 from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import get_tokenizer
@@ -41,11 +42,14 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> ProcessedRequest:
         """Tokenize and validate (``ValueError`` naming the field) without queueing anything."""
         if arrival_time is None:
             arrival_time = time.monotonic()
-        return self.input_processor.process(request_id, prompt, params, arrival_time, priority)
+        return self.input_processor.process(
+            request_id, prompt, params, arrival_time, priority, lora_request=lora_request
+        )
 
     def add_processed_request(self, processed: ProcessedRequest) -> None:
         """Queue a processed request in both halves; on failure neither half keeps any of it."""
@@ -67,9 +71,13 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Validate and queue one request; on ``ValueError`` nothing is queued and running requests go on."""
-        self.add_processed_request(self.process_request(request_id, prompt, params, arrival_time, priority))
+        """Validate and queue one request; on ``ValueError`` nothing is queued and running requests go on.
+        ``lora_request``: the adapter it runs with (loaded here, so a bad one is a ``ValueError`` now)."""
+        self.add_processed_request(
+            self.process_request(request_id, prompt, params, arrival_time, priority, lora_request)
+        )
 
     def step(self) -> list[RequestOutput]:
         outputs = self.engine_core.step()
@@ -98,3 +106,13 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.engine_core.check_integrity()
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter ahead of its requests (``ValueError`` if it cannot be served)."""
+        return self.engine_core.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.engine_core.remove_lora(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return self.engine_core.list_loras()

@@ -9,6 +9,7 @@ from typing import Any
 
 from pagedllm.config import make_engine_config
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -49,6 +50,10 @@ class LLM:
         reasoning_parser: str | None = None,
         speculative_config: dict[str, Any] | None = None,
         quantization: str | None = None,
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
         **kwargs: Any,
     ) -> None:
         if kwargs:
@@ -82,6 +87,10 @@ class LLM:
             reasoning_parser=reasoning_parser,
             speculative_config=speculative_config,
             quantization=quantization,
+            enable_lora=enable_lora,
+            max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
+            max_cpu_loras=max_cpu_loras,
         )
         self.llm_engine = LLMEngine(config)
         self._counter = itertools.count()
@@ -95,11 +104,14 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: list[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order.
 
         A prompt is a string, a list of token ids, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``.
-        Every prompt is validated before any is queued, so a ``ValueError`` leaves the engine untouched.
+        ``lora_request``: one adapter for every prompt, or one (or None: the base model) per prompt; needs
+        ``enable_lora=True``. Every prompt is validated before any is queued, so a ``ValueError`` leaves the
+        engine untouched (an adapter that fails to load is refused when its request is added).
         """
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
@@ -118,11 +130,24 @@ class LLM:
                 )
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority has {len(priority)} entries but there are {len(prompts)} prompts")
+        if not isinstance(lora_request, (list, tuple)):  # one for every prompt (checked when processed)
+            lora_list = [lora_request] * len(prompts)
+        else:
+            lora_list = list(lora_request)
+            if len(lora_list) != len(prompts):
+                raise ValueError(
+                    f"lora_request has {len(lora_list)} entries but there are {len(prompts)} prompts"
+                )
         engine = self.llm_engine
         now = time.monotonic()
         processed = [
             engine.process_request(
-                str(next(self._counter)), p, sp, arrival_time=now, priority=priority[i] if priority else 0
+                str(next(self._counter)),
+                p,
+                sp,
+                arrival_time=now,
+                priority=priority[i] if priority else 0,
+                lora_request=lora_list[i],
             )
             for i, (p, sp) in enumerate(zip(prompts, params_list))
         ]
@@ -148,6 +173,7 @@ class LLM:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation or a list of them, then ``generate``.
 
@@ -169,7 +195,7 @@ class LLM:
             )
             ids = self.llm_engine.tokenizer(text, add_special_tokens=False)["input_ids"]
             prompts.append({"prompt_token_ids": ids, "prompt": text})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -103,7 +103,9 @@ class LoRAMapping:
     @staticmethod
     def token_slots_of(request_slots: Sequence[int], num_scheduled_tokens: Sequence[int]) -> np.ndarray:
         """Per-request slots (``[num_reqs]``) repeated over each request's tokens this step: ``[num_tokens]``."""
-        return np.repeat(np.asarray(request_slots, dtype=np.int64), np.asarray(num_scheduled_tokens))
+        return np.repeat(
+            np.asarray(request_slots, dtype=np.int64), np.asarray(num_scheduled_tokens, dtype=np.int64)
+        )
 
 
 class LoRALinearMethod(LinearMethod):

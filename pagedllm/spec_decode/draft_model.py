@@ -65,7 +65,7 @@ def draft_engine_config(config: EngineConfig) -> EngineConfig:
             f"max_model_len ({target.max_model_len}); lower max_model_len"
         )
     draft_model.max_model_len = target.max_model_len
-    return replace(config, model_config=draft_model, speculative_config=None)
+    return replace(config, model_config=draft_model, speculative_config=None, lora_config=None)
 
 
 class DraftModelProposer:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from pagedllm.core.sched_output import CachedRequestData, NewRequestData
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -62,6 +63,10 @@ class InputBatch:
         self.min_p_np = np.zeros(max_num_reqs, dtype=np.float32)  # [rows]
         self.num_logprobs_np = np.full(max_num_reqs, -1, dtype=np.int64)  # [rows] -1 = no logprobs
         self.has_generator_np = np.zeros(max_num_reqs, dtype=bool)  # [rows]
+        # LoRA: each row's adapter (id 0 / None: the base model); the runner maps ids to slots per step.
+        self.lora_id_np = np.zeros(max_num_reqs, dtype=np.int64)  # [rows]
+        self.lora_requests: list[LoRARequest | None] = [None] * max_num_reqs
+        self.num_lora_rows = 0  # rows with an adapter (0: the step's slot map is all -1)
         self.req_id_to_row: dict[str, int] = {}
         self.req_ids: list[str | None] = [None] * max_num_reqs
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
@@ -109,6 +114,10 @@ class InputBatch:
         self.min_p_np[row] = 0.0 if greedy else params.min_p
         self.num_logprobs_np[row] = -1 if params.logprobs is None else params.logprobs
         self.eos_token_ids[row] = data.eos_token_id
+        lora = data.lora_request
+        self.lora_requests[row] = lora
+        self.lora_id_np[row] = 0 if lora is None else lora.lora_int_id
+        self.num_lora_rows += lora is not None
         gen = None
         if data.req_id in self.preempted_generators:
             gen = self.preempted_generators.pop(data.req_id)
@@ -139,6 +148,9 @@ class InputBatch:
         self.num_history_rows -= needs_history(params)
         self.num_complex_rows -= not is_plain(params)
         self.params[row] = None
+        self.num_lora_rows -= self.lora_requests[row] is not None
+        self.lora_requests[row] = None
+        self.lora_id_np[row] = 0
         self.req_ids[row] = None
         self.generators[row] = None
         self.has_generator_np[row] = False

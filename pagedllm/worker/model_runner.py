@@ -75,6 +75,7 @@ class ModelRunner:
         logger.info(
             "loaded %s in %.2fs (%s, %s)", mc.model, time.perf_counter() - t0, self.dtype, self.device
         )
+        self.lora_manager = self._make_lora_manager()  # before the KV cache is sized: slots take memory
         self.sampler = Sampler()
         self.max_blocks_per_req = _cdiv(self.max_model_len, self.block_size)
         self.input_batch = InputBatch(
@@ -88,6 +89,45 @@ class ModelRunner:
         # EAGLE drafts read each step's hidden states (StepInFlight.draft_hidden); such steps run eagerly.
         spec = config.speculative_config
         self.keep_hidden = spec is not None and spec.method in ("eagle", "eagle3")
+
+    # ------------------------------------------------------------------ LoRA
+
+    def _make_lora_manager(self):
+        """A ``LoRAManager`` with LoRA layers installed on the model when LoRA is enabled, else None."""
+        lc = self.config.lora_config
+        if lc is None:
+            return None
+        from pagedllm.lora.manager import LoRAManager
+
+        return LoRAManager(
+            self.model,
+            max_loras=lc.max_loras,
+            max_lora_rank=lc.max_lora_rank,
+            max_num_tokens=max(self.max_num_tokens, self.max_num_reqs),  # CUDA graphs pad to max_num_seqs
+            max_cpu_loras=lc.max_cpu_loras,
+            dtype=self.dtype,
+        )
+
+    def _lora_mapping(self, rows: np.ndarray, num_sched: np.ndarray) -> None:
+        """Give this step's adapters slots and write the per-token slot map every LoRA layer reads.
+
+        ``rows``: [num_reqs] batch rows in batch order; ``num_sched``: [num_reqs] tokens each computes. A loop
+        over the step's distinct adapters only (rows hold each request's adapter id, 0 for the base model).
+        """
+        mgr = self.lora_manager
+        if mgr is None:
+            return
+        batch = self.input_batch
+        ids = batch.lora_id_np[rows]  # [num_reqs] 0 = base model
+        req_slots = np.full(len(rows), -1, dtype=np.int64)  # [num_reqs]
+        if batch.num_lora_rows:
+            uniq, first = np.unique(ids, return_index=True)
+            used = [(int(i), batch.lora_requests[rows[f]]) for i, f in zip(uniq, first) if i != 0]
+            if used:
+                slots = mgr.activate([req for _, req in used])
+                for (lora_id, _), slot in zip(used, slots):
+                    req_slots[ids == lora_id] = slot
+        mgr.set_mapping(req_slots, num_sched)  # graph replays run the captured LoRA kernels regardless
 
     # ------------------------------------------------------------------ KV cache sizing
 
@@ -205,6 +245,10 @@ class ModelRunner:
             self.max_model_len,
             self.device,
         )
+        if self.lora_manager is not None:
+            # Graphs record the LoRA kernels whatever the step's adapters; rows without one (and padding
+            # rows: LoRAMapping.update writes -1 past the step's tokens) have slot -1 and add nothing.
+            self.lora_manager.set_mapping([], [], force_apply=True)
         self.graph_runner.capture()
 
     # ------------------------------------------------------------------ one step
@@ -293,6 +337,7 @@ class ModelRunner:
                 torch.from_numpy(pending[has_pending]).to(dev, non_blocking=True),
                 prev.sampled,
             )
+        self._lora_mapping(rows, num_sched)
         is_pure_decode = bool((num_sched == 1).all())
         if self.graph_runner is not None and is_pure_decode and n <= self.graph_runner.max_bs:
             hidden = self.graph_runner.run(

@@ -151,3 +151,35 @@ def run_mixed_batch(
     prompts = [random_prompt(5 + 3 * i, model_config.vocab_size, seed=i) for i in range(len(names))]
     manager.set_mapping(slots, [len(p) for p in prompts])
     return prefill(model, model_config, prompts, device), prompts, slots
+
+
+@functools.lru_cache(maxsize=128)
+def hf_peft_greedy(
+    base_dir: str, adapter_dir: str | None, token_ids: tuple[int, ...], max_new_tokens: int
+) -> list[int]:
+    """transformers (+ an unmerged peft adapter when ``adapter_dir``) float32 greedy decoding, EOS ignored:
+    exactly ``max_new_tokens`` new token ids (the engine oracle)."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # else generate() merges the checkpoint's eos back in
+    if adapter_dir is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter_dir).eval()
+    gen_config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=model.config.pad_token_id,
+    )
+    input_ids = torch.tensor([list(token_ids)], dtype=torch.long)  # [1, prompt_len]
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=input_ids, attention_mask=torch.ones_like(input_ids), generation_config=gen_config
+        )  # [1, prompt_len + max_new_tokens]
+    new_tokens = out[0, len(token_ids) :].tolist()
+    assert len(new_tokens) == max_new_tokens
+    return new_tokens

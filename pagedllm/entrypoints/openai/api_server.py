@@ -38,13 +38,16 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    ModelCard,
-    ModelList,
     TokenizeRequest,
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_engine import parse_body, to_openai_error
+from pagedllm.entrypoints.openai.serving_models import (
+    OpenAIServingModels,
+    parse_lora_modules,
+    runtime_lora_updating_from_env,
+)
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -176,14 +179,22 @@ def build_app(
     enable_auto_tool_choice: bool = False,
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
+    models: OpenAIServingModels | None = None,
+    allow_runtime_lora_updating: bool = False,
 ) -> FastAPI:
     """The FastAPI app for ``engine`` (an ``AsyncLLM``); ``metrics`` is a ``PrometheusStatLogger`` or None.
+
+    ``models``: the base names and LoRA adapters a request's ``model`` may name (default: the served names);
+    ``allow_runtime_lora_updating`` adds ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``.
 
     ``enable_debug_endpoints`` adds ``GET /debug/integrity`` (behind the API key like /v1): the engine's full
     integrity check and its request-table sizes, for soak tests and operators chasing a leak.
     """
     app = FastAPI(title="pagedllm", version=__version__)
+    if models is None:
+        models = OpenAIServingModels(engine, served_model_names)
     serving_kwargs = dict(
+        models=models,
         max_logprobs=max_logprobs,
         chat_template=chat_template,
         enable_auto_tool_choice=enable_auto_tool_choice,
@@ -233,12 +244,25 @@ def build_app(
         return JSONResponse({"version": __version__})
 
     @app.get("/v1/models")
-    async def models() -> JSONResponse:
-        cards = [
-            ModelCard(id=name, root=model_config.model, max_model_len=model_config.max_model_len)
-            for name in served_model_names
-        ]
-        return JSONResponse(ModelList(data=cards).model_dump())
+    async def list_models() -> JSONResponse:
+        return JSONResponse(models.model_list(model_config.model, model_config.max_model_len).model_dump())
+
+    if allow_runtime_lora_updating:
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(raw_request: Request) -> Response:
+            body = _json_object(await raw_request.body())
+            lora = await models.load_lora_adapter(body.get("lora_name"), body.get("lora_path"))
+            message = f"Success: LoRA adapter '{lora.lora_name}' added successfully."
+            return Response(message, media_type="text/plain")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(raw_request: Request) -> Response:
+            body = _json_object(await raw_request.body())
+            name = body.get("lora_name")
+            await models.unload_lora_adapter(name)
+            message = f"Success: LoRA adapter '{name}' removed successfully."
+            return Response(message, media_type="text/plain")
 
     @app.get("/metrics")
     async def get_metrics() -> Response:
@@ -313,6 +337,18 @@ def build_app(
     return app
 
 
+def _json_object(body: bytes) -> dict[str, Any]:
+    import json
+
+    try:
+        data = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad_request(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}")
+    return data
+
+
 def _body_schema(model_cls: type) -> dict[str, Any]:
     """OpenAPI request body for a route that parses its body by hand (to control error messages)."""
     ref = {"$ref": f"#/components/schemas/{model_cls.__name__}"}
@@ -378,6 +414,19 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="serve GET /debug/integrity (the engine's integrity check and request tables; for tests)",
     )
     group.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        help="LoRA adapters to serve (needs --enable-lora): name=path, or JSON with name and path; a "
+        "request's model field selects one by name",
+    )
+    group.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also: env "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)",
+    )
+    group.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,
@@ -425,6 +474,9 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError(f"--max-logprobs must be >= 0, got {args.max_logprobs}")
         if args.enable_auto_tool_choice and not args.tool_call_parser:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        args.lora_modules = parse_lora_modules(args.lora_modules)
+        if args.lora_modules and not args.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
         if args.max_request_body_bytes < 1024:
             raise ValueError(
                 f"--max-request-body-bytes must be at least 1024, got {args.max_request_body_bytes}"
@@ -483,6 +535,13 @@ async def _serve(
     engine = AsyncLLM(config, log_requests=not args.disable_log_requests, stat_loggers=stat_loggers)
     watchdog = None
     try:
+        models = OpenAIServingModels(engine, served_model_names)
+        for name, path in getattr(args, "lora_modules", None) or []:
+            try:
+                await models.load_lora_adapter(name, path)
+            except OpenAIError as e:
+                raise ValueError(f"--lora-modules {name}={path}: {e.message}") from None
+            logger.info("LoRA adapter %s loaded from %s", name, path)
         app = build_app(
             engine,
             served_model_names=served_model_names,
@@ -495,6 +554,8 @@ async def _serve(
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,
+            models=models,
+            allow_runtime_lora_updating=args.allow_runtime_lora_updating or runtime_lora_updating_from_env(),
         )
         uv_config = uvicorn.Config(
             app,

@@ -80,7 +80,7 @@ class OpenAIServingChat(OpenAIServing):
         return text, token_ids
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
-        self.check_model(req.model)
+        lora_request = self.check_model(req.model)
         self.check_engine()
         if req.n < 1:
             raise bad_request(f"n must be at least 1, got {req.n}", "n")
@@ -118,7 +118,9 @@ class OpenAIServingChat(OpenAIServing):
             skip_special_tokens=False if keep_special else None,
         )
         request_id = new_request_id("chatcmpl")
-        stream = self.add_request(request_id, {"prompt_token_ids": token_ids, "prompt": prompt_text}, params)
+        stream = self.add_request(
+            request_id, {"prompt_token_ids": token_ids, "prompt": prompt_text}, params, lora_request
+        )
         if streaming:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return SSEResponse(
@@ -134,6 +136,7 @@ class OpenAIServingChat(OpenAIServing):
             stream.close()
         if response is None:
             return Response(status_code=499)
+        response.model = self.response_model_name(req.model)
         return JSONResponse(response.model_dump())
 
     def _output(self, plan: ToolPlan) -> ChatOutput:
@@ -191,7 +194,7 @@ class OpenAIServingChat(OpenAIServing):
         plan: ToolPlan,
     ) -> AsyncIterator[str]:
         created = int(time.time())
-        model = self.model_name
+        model = self.response_model_name(req.model)
         num_tokens = [0] * req.n
         outputs = [self._output(plan) for _ in range(req.n)]
         try:

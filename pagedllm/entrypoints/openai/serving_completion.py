@@ -66,7 +66,7 @@ def _visible(
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, req: CompletionRequest, raw_request: Request) -> Response:
-        self.check_model(req.model)
+        lora_request = self.check_model(req.model)
         self.check_engine()
         if req.suffix is not None:
             raise bad_request("suffix is not supported", "suffix")
@@ -105,7 +105,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 engine_prompt: dict[str, Any] = {"prompt_token_ids": prompt.token_ids}
                 if prompt.given_text is not None:
                     engine_prompt["prompt"] = prompt.given_text
-                streams.append(self.add_request(f"{request_id}-{i}", engine_prompt, params))
+                streams.append(self.add_request(f"{request_id}-{i}", engine_prompt, params, lora_request))
         except BaseException:
             for stream in streams:
                 stream.close()
@@ -196,7 +196,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 )
         return CompletionResponse(
             id=request_id,
-            model=self.model_name,
+            model=self.response_model_name(req.model),
             choices=choices,
             usage=UsageInfo.of(num_prompt_tokens, num_completion_tokens),
         )
@@ -243,7 +243,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         completion_chunk(
                             request_id,
                             created,
-                            self.model_name,
+                            self.response_model_name(req.model),
                             index,
                             text,
                             logprobs,
@@ -254,7 +254,8 @@ class OpenAIServingCompletion(OpenAIServing):
             if include_usage:
                 num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
                 usage = UsageInfo.of(num_prompt_tokens, sum(num_tokens))
-                yield sse(usage_chunk(request_id, created, self.model_name, "text_completion", usage))
+                model = self.response_model_name(req.model)
+                yield sse(usage_chunk(request_id, created, model, "text_completion", usage))
         except Exception as e:  # noqa: BLE001 - the status line is sent already: report in the stream
             err: OpenAIError = to_openai_error(e, self.field_map)
             yield sse(err.to_dict())

@@ -25,6 +25,8 @@ from pagedllm.entrypoints.openai.errors import (
     from_validation_error,
     from_value_error,
 )
+from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import Logprob
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from pagedllm.tokenizer import TokenTextCache
@@ -141,6 +143,7 @@ class OpenAIServing:
         "prompt": "prompt",
         "prompt_token_ids": "prompt",
         "request_id": None,
+        "lora_request": "model",
     }
 
     def __init__(
@@ -153,7 +156,9 @@ class OpenAIServing:
         enable_auto_tool_choice: bool = False,
         tool_call_parser: str | None = None,
         reasoning_parser: str | None = None,
+        models: OpenAIServingModels | None = None,
     ) -> None:
+        """``models``: the server's base names and LoRA adapters (default: ``served_model_names`` only)."""
         from pagedllm.entrypoints.openai.reasoning_parsers import get_reasoning_parser
         from pagedllm.entrypoints.openai.tool_parsers import get_tool_parser
 
@@ -164,6 +169,7 @@ class OpenAIServing:
         self.reasoning_parser_cls = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
         self.served_model_names = served_model_names
         self.model_name = served_model_names[0]
+        self.models = models if models is not None else OpenAIServingModels(engine, served_model_names)
         self.max_logprobs = max_logprobs
         self.chat_template = chat_template
         self.tokenizer = engine.tokenizer
@@ -173,14 +179,13 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ checks
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.served_model_names:
-            raise OpenAIError(
-                f"The model `{model}` does not exist; this server serves {', '.join(self.served_model_names)}.",
-                status_code=404,
-                param="model",
-                code="model_not_found",
-            )
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter ``model`` selects (None: the base model); 404 ``model_not_found`` if unknown."""
+        return self.models.resolve(model)
+
+    def response_model_name(self, model: str | None) -> str:
+        """The ``model`` of a response: the adapter's name when the request named one, else the base name."""
+        return model if model is not None and model not in self.served_model_names else self.model_name
 
     def check_engine(self) -> None:
         err = self.engine.dead_error
@@ -305,9 +310,11 @@ class OpenAIServing:
             raise from_value_error(e, self.field_map) from None
         return params
 
-    def add_request(self, request_id: str, prompt: Any, params: SamplingParams) -> RequestStream:
+    def add_request(
+        self, request_id: str, prompt: Any, params: SamplingParams, lora_request: LoRARequest | None = None
+    ) -> RequestStream:
         try:
-            return self.engine.add_request(request_id, prompt, params)
+            return self.engine.add_request(request_id, prompt, params, lora_request=lora_request)
         except (ValueError, EngineDeadError) as e:
             raise to_openai_error(e, self.field_map) from None
 
