@@ -9,6 +9,9 @@ Quantized models (``ModelConfig.quant_config``): the model is built with placeho
 ``Linear`` then gets its quantization method's parameters (``qweight``, ``scales``, ``weight_scale``, ...; see
 ``pagedllm.quantization``), the same strict loading fills them (a parameter marked ``optional``, such as
 GPTQ's ``g_idx``, may keep its initial value), and each method's ``process_weights_after_loading`` runs last.
+
+Tensor parallelism: ``get_model(..., tp=group)`` builds this rank's part of the model (``pagedllm.distributed``);
+each parameter's loader copies only its rank's slice of each checkpoint tensor, read one tensor at a time.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from torch import nn
 
 from pagedllm.attention.base import AttentionBackend
 from pagedllm.config import ModelConfig
+from pagedllm.distributed.parallel_state import TPGroup, verify_tp_config
 from pagedllm.layers.linear import Linear, default_weight_loader, deferred_linear_weights
 from pagedllm.models.registry import get_model_class
 
@@ -41,17 +45,31 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
-def get_model(model_config: ModelConfig, device: torch.device, attn_backend: AttentionBackend) -> nn.Module:
-    """Instantiate ``hf_config.architectures[0]`` in ``model_config.dtype`` on ``device``, load weights, eval()."""
+def get_model(
+    model_config: ModelConfig,
+    device: torch.device,
+    attn_backend: AttentionBackend,
+    tp: TPGroup | None = None,
+) -> nn.Module:
+    """Instantiate ``hf_config.architectures[0]`` in ``model_config.dtype`` on ``device``, load weights, eval().
+
+    ``tp``: this rank's tensor-parallel group (one rank when None); the config is checked against its size
+    first (``ValueError`` naming the field that does not split)."""
     hf_config = model_config.hf_config
     architectures = getattr(hf_config, "architectures", None) or []
     if not architectures:
         raise ValueError("the model config names no architecture (config.json 'architectures' is empty)")
     model_cls = get_model_class(architectures[0])
     quant_config = getattr(model_config, "quant_config", None)
+    tp_kwargs = {}
+    if tp is not None and tp.size > 1:
+        verify_tp_config(hf_config, tp.size)
+        if quant_config is not None:
+            raise ValueError("quantized models do not support tensor_parallel_size > 1 yet")
+        tp_kwargs["tp"] = tp
     with _default_dtype(model_config.dtype), torch.device(device):
         if quant_config is None:
-            model = model_cls(hf_config, attn_backend)
+            model = model_cls(hf_config, attn_backend, **tp_kwargs)
         else:
             from pagedllm.quantization import quantize_model
 

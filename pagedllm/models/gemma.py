@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from pagedllm.attention.base import AttentionBackend, AttentionMetadata
+from pagedllm.distributed.parallel_state import TPGroup
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.embedding import VocabEmbedding
 from pagedllm.layers.norm import RMSNorm
@@ -79,9 +80,14 @@ class Gemma2Attention(LlamaAttention):
     layer_sliding_window = staticmethod(gemma2_layer_sliding_window)
 
     def __init__(
-        self, config: Any, layer_idx: int, attn_backend: AttentionBackend, rotary_emb: RotaryEmbedding
+        self,
+        config: Any,
+        layer_idx: int,
+        attn_backend: AttentionBackend,
+        rotary_emb: RotaryEmbedding,
+        tp: TPGroup | None = None,
     ) -> None:
-        super().__init__(config, layer_idx, attn_backend, rotary_emb)
+        super().__init__(config, layer_idx, attn_backend, rotary_emb, tp=tp)
         if getattr(config, "use_bidirectional_attention", False):
             raise ValueError("use_bidirectional_attention (Gemma embedding models) is not supported")
         cap = getattr(config, "attn_logit_softcapping", None)
@@ -113,14 +119,15 @@ class Gemma2DecoderLayer(nn.Module):
         attn_backend: AttentionBackend,
         rotary_emb: RotaryEmbedding,
         attention_cls: type[LlamaAttention],
+        tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
         size, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(size, eps)
-        self.self_attn = attention_cls(config, layer_idx, attn_backend, rotary_emb)
+        self.self_attn = attention_cls(config, layer_idx, attn_backend, rotary_emb, tp=tp)
         self.post_attention_layernorm = GemmaRMSNorm(size, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, tp=tp)
         self.post_feedforward_layernorm = GemmaRMSNorm(size, eps)
 
     def forward(
@@ -147,13 +154,17 @@ class Gemma2Model(GemmaModel):
     decoder_layer_cls: type[nn.Module] = Gemma2DecoderLayer
 
     def __init__(
-        self, config: Any, attn_backend: AttentionBackend, attention_cls: type[LlamaAttention]
+        self,
+        config: Any,
+        attn_backend: AttentionBackend,
+        attention_cls: type[LlamaAttention],
+        tp: TPGroup | None = None,
     ) -> None:
         nn.Module.__init__(self)  # LlamaModel's layers are Llama layers: build Gemma 2's here
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp=tp)
         rotaries = self.make_rotaries(config)
         self.layers = nn.ModuleList(
-            self.decoder_layer_cls(config, i, attn_backend, rotaries[i], attention_cls)
+            self.decoder_layer_cls(config, i, attn_backend, rotaries[i], attention_cls, tp=tp)
             for i in range(config.num_hidden_layers)
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -208,9 +219,14 @@ class Gemma3Attention(Gemma2Attention):
     layer_sliding_window = staticmethod(gemma3_layer_sliding_window)
 
     def __init__(
-        self, config: Any, layer_idx: int, attn_backend: AttentionBackend, rotary_emb: RotaryEmbedding
+        self,
+        config: Any,
+        layer_idx: int,
+        attn_backend: AttentionBackend,
+        rotary_emb: RotaryEmbedding,
+        tp: TPGroup | None = None,
     ) -> None:
-        super().__init__(config, layer_idx, attn_backend, rotary_emb)
+        super().__init__(config, layer_idx, attn_backend, rotary_emb, tp=tp)
         self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)  # [head_dim] weight, shared by heads
         self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
 

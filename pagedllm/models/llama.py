@@ -12,10 +12,11 @@ import torch
 from torch import nn
 
 from pagedllm.attention.base import AttentionBackend, AttentionMetadata
+from pagedllm.distributed.parallel_state import TPGroup
 from pagedllm.layers.activation import get_act_and_mul
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.embedding import LMHead, VocabEmbedding
-from pagedllm.layers.linear import Linear, MergedLinear, QKVLinear
+from pagedllm.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, get_rope, rope_config
 
@@ -46,18 +47,28 @@ def layer_types_sliding_window(config: Any, layer_idx: int, default_sliding: boo
 
 
 class LlamaAttention(nn.Module):
+    """Under tensor parallelism (``tp``) this rank runs ``num_heads`` = heads / T query heads and
+    ``num_kv_heads`` = KV heads / T (or 1, replicated) KV heads: q/k/v column-parallel, o_proj row-parallel."""
+
     def __init__(
-        self, config: Any, layer_idx: int, attn_backend: AttentionBackend, rotary_emb: RotaryEmbedding
+        self,
+        config: Any,
+        layer_idx: int,
+        attn_backend: AttentionBackend,
+        rotary_emb: RotaryEmbedding,
+        tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        total_num_heads = config.num_attention_heads
+        total_num_kv_heads = getattr(config, "num_key_value_heads", None) or total_num_heads
         self.head_dim = head_dim_of(config)
         qkv_bias, o_bias = self.biases(config)
         self.qkv_proj = QKVLinear(
-            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias
+            config.hidden_size, self.head_dim, total_num_heads, total_num_kv_heads, qkv_bias, tp=tp
         )
-        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, o_bias)
+        self.num_heads = self.qkv_proj.num_heads  # this rank's
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(total_num_heads * self.head_dim, config.hidden_size, o_bias, tp=tp)
         self.rotary_emb = rotary_emb  # shared by all layers
         self.attn = Attention(
             self.num_heads,
@@ -127,14 +138,16 @@ class Qwen2Attention(LlamaAttention):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any) -> None:
+    """gate_up_proj column-parallel, down_proj row-parallel (this rank: intermediate_size / T channels)."""
+
+    def __init__(self, config: Any, tp: TPGroup | None = None) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
         inter = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias)
+        self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias, tp=tp)
         # Gemma names its activation hidden_activation (hidden_act is a legacy field there).
         self.act_fn = get_act_and_mul(getattr(config, "hidden_activation", None) or config.hidden_act)
-        self.down_proj = Linear(inter, config.hidden_size, bias)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden_size] -> [T, hidden_size]
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate_size]
@@ -150,12 +163,13 @@ class LlamaDecoderLayer(nn.Module):
         rotary_emb: RotaryEmbedding,
         attention_cls: type[LlamaAttention],
         norm_cls: type[RMSNorm] = RMSNorm,
+        tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
         self.input_layernorm = norm_cls(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = attention_cls(config, layer_idx, attn_backend, rotary_emb)
+        self.self_attn = attention_cls(config, layer_idx, attn_backend, rotary_emb, tp=tp)
         self.post_attention_layernorm = norm_cls(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, tp=tp)
 
     def forward(
         self,
@@ -180,15 +194,19 @@ class LlamaModel(nn.Module):
     aux_hidden_state_layers: tuple[int, ...] = ()  # set on the instance for an EAGLE-3 draft
 
     def __init__(
-        self, config: Any, attn_backend: AttentionBackend, attention_cls: type[LlamaAttention]
+        self,
+        config: Any,
+        attn_backend: AttentionBackend,
+        attention_cls: type[LlamaAttention],
+        tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
         norm_cls = self.norm_cls
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp=tp)
         theta, rope_scaling = rope_config(config)
         rotary_emb = get_rope(head_dim_of(config), config.max_position_embeddings, theta, rope_scaling)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, attn_backend, rotary_emb, attention_cls, norm_cls)
+            LlamaDecoderLayer(config, i, attn_backend, rotary_emb, attention_cls, norm_cls, tp=tp)
             for i in range(config.num_hidden_layers)
         )
         self.norm = norm_cls(config.hidden_size, config.rms_norm_eps)
@@ -228,12 +246,12 @@ class LlamaForCausalLM(nn.Module):
         "gate_up_proj": ["gate_proj", "up_proj"],
     }
 
-    def __init__(self, config: Any, attn_backend: AttentionBackend) -> None:
+    def __init__(self, config: Any, attn_backend: AttentionBackend, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = self.model_cls(config, attn_backend, self.attention_cls)
+        self.model = self.model_cls(config, attn_backend, self.attention_cls, tp=tp)
         tied = self.model.embed_tokens if getattr(config, "tie_word_embeddings", False) else None
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied, tp=tp)
 
     def forward(
         self,

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from pagedllm.attention.base import AttentionBackend
+from pagedllm.distributed.parallel_state import TPGroup
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.models.llama import LlamaAttention, LlamaForCausalLM, qwen_layer_sliding_window
@@ -16,9 +17,14 @@ class Qwen3Attention(LlamaAttention):
     layer_sliding_window = staticmethod(qwen_layer_sliding_window)  # the Qwen2 rule
 
     def __init__(
-        self, config: Any, layer_idx: int, attn_backend: AttentionBackend, rotary_emb: RotaryEmbedding
+        self,
+        config: Any,
+        layer_idx: int,
+        attn_backend: AttentionBackend,
+        rotary_emb: RotaryEmbedding,
+        tp: TPGroup | None = None,
     ) -> None:
-        super().__init__(config, layer_idx, attn_backend, rotary_emb)
+        super().__init__(config, layer_idx, attn_backend, rotary_emb, tp=tp)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)  # [head_dim] weight, shared by heads
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
