@@ -34,9 +34,11 @@ def make_eagle_head(target: str, path: Path, method: str) -> str:
     ``lm_head`` over a smaller draft vocabulary and its ``d2t`` offsets)."""
     config = json.loads((Path(target) / "config.json").read_text())
     h, nh, nkv = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
-    hd, inter, vocab = h // nh, config["intermediate_size"], config["vocab_size"]
+    hd, inter, vocab = config.get("head_dim") or h // nh, config["intermediate_size"], config["vocab_size"]
     gen = torch.Generator().manual_seed(7 if method == "eagle" else 8)
     config["num_hidden_layers"] = 1
+    config.pop("layer_types", None)  # the target's per-layer list; a one-layer head has its own
+    config.update(architectures=["LlamaForCausalLM"], model_type="llama")  # as published EAGLE-1 heads
     if method == "eagle":
         prefix, attn_in = "layers.0.", h
         tensors = {
@@ -154,3 +156,30 @@ def test_eagle_startup_errors(tiny_llama, deep_llama, tmp_path):
                 "num_speculative_tokens": 2,
             },
         )
+
+
+def test_eagle3_n_stop_strings_and_logprobs(deep_llama, tmp_path):
+    """n > 1, a stop string and logprobs with EAGLE-3 drafts: the same as without speculation."""
+    head = make_eagle_head(deep_llama, tmp_path / "e3", "eagle3")
+    kw = dict(dtype="float32", device="cpu", block_size=4, max_model_len=128)
+    plain = LLM(deep_llama, **kw)
+    spec = LLM(
+        deep_llama, speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": 3}, **kw
+    )
+    prompts = ["the cat counted the stars", "hello hello hello hello"]
+    sp = SamplingParams(n=2, temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2)
+    want, got = plain.generate(prompts, sp, use_tqdm=False), spec.generate(prompts, sp, use_tqdm=False)
+    for w, g in zip(want, got):
+        for wc, gc in zip(w.outputs, g.outputs):
+            assert gc.token_ids == wc.token_ids and gc.text == wc.text
+            for wl, gl in zip(wc.logprobs, gc.logprobs):
+                assert {t: round(v.logprob, 4) for t, v in wl.items()} == {
+                    t: round(v.logprob, 4) for t, v in gl.items()
+                }
+    text = want[0].outputs[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop=[stop])
+    w, g = plain.generate(prompts, sp, use_tqdm=False), spec.generate(prompts, sp, use_tqdm=False)
+    assert [o.outputs[0].text for o in g] == [o.outputs[0].text for o in w]
+    assert w[0].outputs[0].finish_reason == "stop"
+    assert spec.llm_engine.get_stats().spec_num_drafts > 0
