@@ -183,3 +183,37 @@ def test_eagle3_n_stop_strings_and_logprobs(deep_llama, tmp_path):
     assert [o.outputs[0].text for o in g] == [o.outputs[0].text for o in w]
     assert w[0].outputs[0].finish_reason == "stop"
     assert spec.llm_engine.get_stats().spec_num_drafts > 0
+
+
+def _drafts_log(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[tuple[list[int], list[int]]]:
+    """(request's tokens, drafts proposed for it) after every step, for every request."""
+    engine, core = llm.llm_engine, llm.llm_engine.engine_core
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", {"prompt_token_ids": p}, sp)
+    log = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        for request in core.scheduler.requests.values():
+            if request.spec_token_ids:
+                log.append((list(request.all_token_ids), list(request.spec_token_ids)))
+    return log
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_incremental_head_cache_gives_the_drafts_of_a_fresh_pass(deep_llama, tmp_path, method):
+    """The head's KV cache, kept step by step (prefill chunks, rejected drafts rolled back, two requests
+    sharing steps), must propose what a fresh engine proposes after prefilling the same tokens in one pass:
+    this checks the head's token/position/hidden bookkeeping, which exactness tests cannot see."""
+    head = make_eagle_head(deep_llama, tmp_path / method, method)
+    spec = {"method": method, "model": head, "num_speculative_tokens": 3}
+    kw = dict(dtype="float32", device="cpu", block_size=4, max_model_len=128, speculative_config=spec)
+    chunked = LLM(deep_llama, max_num_batched_tokens=5, **kw)
+    log = _drafts_log(chunked, [list(PROMPTS[1]), list(PROMPTS[3])], max_tokens=24)
+    assert len(log) > 10
+    fresh = LLM(deep_llama, enable_prefix_caching=False, **kw)
+    for tokens, drafts in log[1::4]:
+        # The fresh engine prefills all but the last token in one pass; that step emits the last one (greedy).
+        fresh_log = _drafts_log(fresh, [tokens[:-1]], max_tokens=5)
+        assert fresh_log[0][0] == tokens
+        assert fresh_log[0][1] == drafts
