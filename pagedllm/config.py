@@ -322,6 +322,18 @@ class LoRAConfig:
 
 
 @dataclass
+class ParallelConfig:
+    data_parallel_size: int = (
+        1  # whole engine copies, each with its own KV cache (and GPU); see engine/data_parallel.py
+    )
+
+    def __post_init__(self) -> None:
+        d = self.data_parallel_size
+        if isinstance(d, bool) or not isinstance(d, int) or d < 1:
+            raise ValueError(f"data_parallel_size must be an integer >= 1, got {d!r}")
+
+
+@dataclass
 class DeviceConfig:
     device: str | torch.device = "auto"
 
@@ -348,6 +360,12 @@ class EngineConfig:
     check_integrity_on_idle: bool = True  # check the KV block pool each time the engine runs out of work
     reasoning_parser: str | None = None  # structured outputs then apply after the reasoning ends
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.parallel_config.data_parallel_size
+
     lora_config: LoRAConfig | None = None  # None: LoRA adapters are refused
 
 
@@ -377,6 +395,7 @@ def make_engine_config(
     async_scheduling: bool | None = None,
     reasoning_parser: str | None = None,
     speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
+    data_parallel_size: int = 1,
     quantization: str | None = None,
     enable_lora: bool = False,
     max_loras: int = 1,
@@ -446,5 +465,6 @@ def make_engine_config(
         check_integrity_on_idle=check_integrity_on_idle,
         reasoning_parser=reasoning_parser,
         speculative_config=spec,
+        parallel_config=ParallelConfig(data_parallel_size),
         lora_config=lora_config,
     )

@@ -50,6 +50,13 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
         help="plan the next step while the GPU runs this one (default: on with CUDA, off on CPU)",
     )
     parser.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=1,
+        help="whole engine copies (each its own KV cache and GPU) behind one front-end; requests go to the least loaded",
+    )
+    parser.add_argument(
         "--speculative-config",
         type=_json_dict,
         default=None,
@@ -118,6 +125,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         reasoning_parser=getattr(args, "reasoning_parser", None),
         quantization=getattr(args, "quantization", None),
         speculative_config=getattr(args, "speculative_config", None),
+        data_parallel_size=getattr(args, "data_parallel_size", 1),
         served_model_name=getattr(args, "served_model_name", None),
         enable_lora=getattr(args, "enable_lora", False),
         max_loras=getattr(args, "max_loras", 1),

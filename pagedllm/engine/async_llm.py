@@ -90,7 +90,10 @@ class AsyncLLM:
             self.input_processor = InputProcessor(self.model_config, self.tokenizer)
             self.output_processor = OutputProcessor(self.tokenizer)
 
-        self.engine_core = EngineCoreClient(
+        client_cls = EngineCoreClient
+        if config.data_parallel_size > 1:
+            from pagedllm.engine.data_parallel import DataParallelCoreClient as client_cls
+        self.engine_core = client_cls(
             config,
             core_cls_path=core_cls_path,
             startup_timeout_s=startup_timeout_s,

@@ -28,7 +28,12 @@ class LLMEngine:
         self.tokenizer = get_tokenizer(mc.tokenizer, trust_remote_code=mc.trust_remote_code)
         self.input_processor = InputProcessor(mc, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core = EngineCore(config, tokenizer=self.tokenizer)
+        if config.data_parallel_size > 1:
+            from pagedllm.engine.data_parallel import DataParallelEngineCore
+
+            self.engine_core = DataParallelEngineCore(config, tokenizer=self.tokenizer)
+        else:
+            self.engine_core = EngineCore(config, tokenizer=self.tokenizer)
         self.last_stats = SchedulerStats()
 
     @classmethod
