@@ -1,0 +1,215 @@
+"""Mixture-of-experts MLP as two grouped GEMMs over tokens sorted by expert, with its PyTorch twin.
+
+Each token picks ``top_k`` experts; every (token, choice) pair is an *assignment* ``a = token * top_k + k``.
+Assignments are sorted by expert and each expert's run is padded to a multiple of ``BLOCK_M``
+(:func:`moe_align`), so every ``BLOCK_M`` rows of the sorted list belong to one expert. The grouped GEMM runs one
+program per (row block, N tile): it gathers its rows of the input, multiplies by that expert's weight and
+scatters the result back to the assignments' rows (padding rows are skipped):
+
+    1. ``h[a] = x[a // top_k] @ w13[e].T``            ``[A, 2 * inter]``  (gate | up)
+    2. ``g[a] = silu(h[a, :inter]) * h[a, inter:]``   ``[A, inter]``
+    3. ``y[a] = weight[a] * (g[a] @ w2[e].T)``        ``[A, hidden]``
+    4. ``out[t] = sum_k y[t * top_k + k]``            ``[T, hidden]``
+
+Accumulation is float32, results are rounded to the input dtype after each GEMM (as the twin does).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:  # CI has no Triton: the twin and moe_align still import
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised where Triton is missing
+    triton = None
+    tl = None
+
+
+def moe_align(
+    topk_ids: torch.Tensor,  # [T, top_k] int
+    num_experts: int,
+    block_m: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sorted_ids, block_expert)``: the assignments sorted (stably) by expert, each expert's run padded to a
+    multiple of ``block_m`` with the invalid id ``T * top_k`` (``[num_blocks * block_m]`` int32), and the expert
+    of each ``block_m`` rows (``[num_blocks]`` int32). Experts with no assignment get no block."""
+    flat = topk_ids.reshape(-1).to(torch.int64)  # [A]
+    num_assign = flat.numel()
+    device = topk_ids.device
+    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    padded = (counts + block_m - 1) // block_m * block_m  # [E]
+    padded_start = torch.cumsum(padded, 0) - padded  # [E]
+    start = torch.cumsum(counts, 0) - counts  # [E]
+    order = torch.argsort(flat, stable=True)  # [A] assignment ids, grouped by expert
+    expert_of_sorted = flat[order]  # [A]
+    rank = torch.arange(num_assign, device=device) - start[expert_of_sorted]  # position inside its expert
+    total = int(padded.sum().item())
+    sorted_ids = torch.full((total,), num_assign, dtype=torch.int32, device=device)
+    sorted_ids[padded_start[expert_of_sorted] + rank] = order.to(torch.int32)
+    block_expert = torch.repeat_interleave(
+        torch.arange(num_experts, device=device, dtype=torch.int32), padded // block_m
+    )  # [num_blocks]
+    return sorted_ids, block_expert
+
+
+if triton is not None:
+
+    @triton.jit
+    def _moe_gemm_kernel(
+        a_ptr,  # [rows_a, K]: rows gathered by sorted_id // a_div
+        w_ptr,  # [E, N, K]
+        c_ptr,  # [A, N]: row = sorted_id
+        sorted_ids_ptr,  # [num_blocks * BLOCK_M] int32
+        block_expert_ptr,  # [num_blocks] int32
+        scale_ptr,  # [A] float32 (router weights), read when MUL_SCALE
+        num_assign,
+        N,
+        K,
+        stride_am,
+        stride_we,
+        stride_wn,
+        stride_cm,
+        A_DIV: tl.constexpr,  # top_k for the first GEMM (rows are tokens), 1 for the second
+        MUL_SCALE: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        ids = tl.load(sorted_ids_ptr + offs_m)  # [BLOCK_M] assignment ids; num_assign marks padding
+        valid = ids < num_assign
+        a_rows = (tl.where(valid, ids, 0) // A_DIV).to(tl.int64)
+        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
+        w_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_mask = offs_k + k0 < K
+            a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
+            acc = tl.dot(a, w, acc, input_precision="ieee")
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        if MUL_SCALE:
+            scale = tl.load(scale_ptr + tl.where(valid, ids, 0), mask=valid, other=0.0)
+            # the twin rounds the GEMM to the output dtype before weighting it
+            acc = acc.to(c_ptr.dtype.element_ty).to(tl.float32) * scale[:, None]
+        c_ptrs = c_ptr + ids.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+
+
+def _moe_gemm(
+    a: torch.Tensor,  # [rows, K]
+    w: torch.Tensor,  # [E, N, K]
+    sorted_ids: torch.Tensor,
+    block_expert: torch.Tensor,
+    num_assign: int,
+    a_div: int,
+    scale: torch.Tensor | None,  # [A] float32
+    block_m: int,
+) -> torch.Tensor:  # [A, N]
+    num_experts, n, k = w.shape
+    assert a.dim() == 2 and a.shape[1] == k and a.stride(1) == 1, f"a {tuple(a.shape)} vs w {tuple(w.shape)}"
+    assert w.stride(2) == 1, "expert weights must be contiguous along K"
+    c = torch.empty((num_assign, n), dtype=a.dtype, device=a.device)
+    num_blocks = block_expert.numel()
+    if num_blocks == 0:
+        return c
+    block_n = max(16, min(64, triton.next_power_of_2(n)))
+    block_k = max(16, min(64, triton.next_power_of_2(k)))
+    grid = (num_blocks, triton.cdiv(n, block_n))
+    _moe_gemm_kernel[grid](
+        a,
+        w,
+        c,
+        sorted_ids,
+        block_expert,
+        scale if scale is not None else c,
+        num_assign,
+        n,
+        k,
+        a.stride(0),
+        w.stride(0),
+        w.stride(1),
+        c.stride(0),
+        A_DIV=a_div,
+        MUL_SCALE=scale is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=4,
+    )
+    return c
+
+
+def fused_experts(
+    x: torch.Tensor,  # [T, hidden]
+    w13: torch.Tensor,  # [E, 2 * inter, hidden]
+    w2: torch.Tensor,  # [E, hidden, inter]
+    topk_weights: torch.Tensor,  # [T, top_k] float32
+    topk_ids: torch.Tensor,  # [T, top_k] int
+    block_m: int = 16,
+) -> torch.Tensor:  # [T, hidden]
+    """The MoE MLP through the Triton grouped GEMM (SiLU-GLU experts); see the module docstring."""
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = w13.shape
+    assert w13.shape[2] == hidden and w2.shape == (num_experts, hidden, two_inter // 2), (
+        f"x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}"
+    )
+    assert topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == num_tokens
+    top_k = topk_ids.shape[1]
+    if num_tokens == 0:
+        return torch.zeros_like(x)
+    x = x.contiguous()
+    num_assign = num_tokens * top_k
+    sorted_ids, block_expert = moe_align(topk_ids, num_experts, block_m)
+    h = _moe_gemm(x, w13, sorted_ids, block_expert, num_assign, top_k, None, block_m)  # [A, 2 * inter]
+    g = _silu_and_mul(h)  # [A, inter]
+    scale = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    y = _moe_gemm(g, w2, sorted_ids, block_expert, num_assign, 1, scale, block_m)  # [A, hidden]
+    return y.view(num_tokens, top_k, hidden).sum(dim=1)
+
+
+def _silu_and_mul(h: torch.Tensor) -> torch.Tensor:
+    if h.is_cuda:
+        from pagedllm.kernels.activation import silu_and_mul
+
+        return silu_and_mul(h)
+    inter = h.shape[-1] // 2  # the interpreter path (CPU tensors)
+    return F.silu(h[:, :inter]) * h[:, inter:]
+
+
+def fused_experts_ref(
+    x: torch.Tensor,  # [T, hidden]
+    w13: torch.Tensor,  # [E, 2 * inter, hidden]
+    w2: torch.Tensor,  # [E, hidden, inter]
+    topk_weights: torch.Tensor,  # [T, top_k] float32 or x.dtype
+    topk_ids: torch.Tensor,  # [T, top_k] int
+) -> torch.Tensor:  # [T, hidden]
+    """PyTorch twin of :func:`fused_experts`: sort the assignments by expert, run each expert's SiLU-GLU MLP on
+    its rows, weight them, sum each token's ``top_k`` rows."""
+    num_tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    inter = w13.shape[1] // 2
+    flat = topk_ids.reshape(-1)  # [A]
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    scale = topk_weights.reshape(-1)  # [A]: float32, or the activations' dtype (promotion as in transformers)
+    y = torch.empty((num_tokens * top_k, hidden), dtype=x.dtype, device=x.device)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        ids = order[start : start + count]  # this expert's assignments
+        start += count
+        h = F.linear(x[ids // top_k], w13[expert])  # [n, 2 * inter]
+        g = F.silu(h[:, :inter]) * h[:, inter:]
+        y[ids] = (F.linear(g, w2[expert]) * scale[ids, None]).to(x.dtype)
+    return y.view(num_tokens, top_k, hidden).sum(dim=1)

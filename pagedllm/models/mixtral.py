@@ -1,0 +1,120 @@
+"""Mixtral: Mistral attention (every layer over ``sliding_window`` when set) with a sparse MoE block in place of
+the MLP (``block_sparse_moe``: router ``gate`` + ``experts.{e}.w1/w2/w3``; top-k weights renormalised).
+
+Also home of the decoder layer and model body shared by MoE families (``qwen3_moe`` imports them): the Llama
+layer with a per-layer choice of MLP module and attribute name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.attention.base import AttentionBackend, AttentionMetadata
+from pagedllm.distributed.parallel_state import TPGroup
+from pagedllm.layers.embedding import VocabEmbedding
+from pagedllm.layers.fused_moe import FusedMoE
+from pagedllm.layers.norm import RMSNorm
+from pagedllm.layers.rotary import RotaryEmbedding, get_rope, rope_config
+from pagedllm.models.llama import (
+    LlamaAttention,
+    LlamaForCausalLM,
+    LlamaModel,
+    MistralAttention,
+    head_dim_of,
+)
+
+# (config, layer_idx) -> (attribute name of the MLP in the checkpoint, the MLP module)
+MLPFactory = Callable[[Any, int], tuple[str, nn.Module]]
+
+
+class MoEDecoderLayer(nn.Module):
+    """The Llama decoder layer (pre-norm, fused residual adds) with the MLP the model's factory builds, stored
+    under the checkpoint's name for it (``block_sparse_moe`` or ``mlp``)."""
+
+    def __init__(
+        self,
+        config: Any,
+        layer_idx: int,
+        attn_backend: AttentionBackend,
+        rotary_emb: RotaryEmbedding,
+        attention_cls: type[LlamaAttention],
+        make_mlp: MLPFactory,
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = attention_cls(config, layer_idx, attn_backend, rotary_emb)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp_name, mlp = make_mlp(config, layer_idx)
+        self.add_module(self.mlp_name, mlp)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [T]
+        hidden: torch.Tensor,  # [T, hidden_size]
+        residual: torch.Tensor | None,  # [T, hidden_size]; None for the first layer
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        attn_metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (hidden, residual), each [T, hidden_size]
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, attn_metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return getattr(self, self.mlp_name)(hidden), residual
+
+
+class MoEModel(LlamaModel):
+    """``LlamaModel`` (same forward) whose layers are ``MoEDecoderLayer`` built with ``make_mlp``."""
+
+    make_mlp: MLPFactory
+
+    def __init__(
+        self,
+        config: Any,
+        attn_backend: AttentionBackend,
+        attention_cls: type[LlamaAttention],
+        tp: TPGroup | None = None,
+    ) -> None:
+        nn.Module.__init__(self)  # LlamaModel.__init__ would build dense MLPs
+        if tp is not None and tp.size > 1:
+            raise ValueError(f"{type(self).__name__} does not support tensor_parallel_size > 1 yet")
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        theta, rope_scaling = rope_config(config)
+        rotary_emb = get_rope(head_dim_of(config), config.max_position_embeddings, theta, rope_scaling)
+        self.layers = nn.ModuleList(
+            MoEDecoderLayer(config, i, attn_backend, rotary_emb, attention_cls, type(self).make_mlp)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+def mixtral_moe(config: Any, layer_idx: int) -> tuple[str, nn.Module]:
+    return "block_sparse_moe", FusedMoE(
+        num_experts=config.num_local_experts,
+        top_k=config.num_experts_per_tok,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        renormalize=True,
+        w13_name="w13",
+        w2_name="w2",
+        hidden_act=config.hidden_act,
+    )
+
+
+class MixtralModel(MoEModel):
+    make_mlp = staticmethod(mixtral_moe)
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    attention_cls = MistralAttention  # every layer over sliding_window when the config sets one
+    model_cls = MixtralModel
+    packed_modules_mapping = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "w13": ["w1", "w3"],  # experts.{e}.w1 / w3 -> gate / up rows of expert e's slot
+    }

@@ -1,0 +1,221 @@
+"""Mixture-of-experts models (Mixtral, Qwen3-MoE) vs transformers on tiny random checkpoints (float32, CPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pagedllm.layers.fused_moe import FusedMoE, select_experts
+from tests.models.test_models import PagedRunner, hf_logits, load_ours, random_prompt
+from tests.utils import hf_greedy, train_tiny_tokenizer
+
+ATOL = 1e-5
+
+# variant -> (arch, config overrides)
+VARIANTS = {
+    "mixtral": ("mixtral", {}),
+    "mixtral-window": ("mixtral", {"sliding_window": 8}),
+    "qwen3moe": ("qwen3_moe", {}),  # norm_topk_prob false: top-k weights used as they are
+    "qwen3moe-norm-dense": ("qwen3_moe", {"norm_topk_prob": True, "mlp_only_layers": [1]}),
+    "qwen3moe-step": ("qwen3_moe", {"decoder_sparse_step": 2, "num_experts": 4}),  # layer 0 dense
+}
+
+
+def _moe_config(arch: str, vocab_size: int, bos_id: int, eos_id: int, pad_id: int, **overrides):
+    import transformers
+    from transformers import MixtralConfig, Qwen3MoeConfig
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        rms_norm_eps=1e-6,
+        hidden_act="silu",
+        tie_word_embeddings=False,
+        num_experts_per_tok=2,
+    )
+    if arch == "mixtral":
+        cls = MixtralConfig
+        common.update(intermediate_size=96, num_local_experts=8, sliding_window=None)
+    elif arch == "qwen3_moe":
+        cls = Qwen3MoeConfig
+        common.update(
+            head_dim=32, intermediate_size=128, moe_intermediate_size=48, num_experts=8, norm_topk_prob=False
+        )
+    else:
+        raise ValueError(arch)
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        common["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    else:
+        common["rope_theta"] = 10000.0
+    common.update(overrides)
+    return cls(**common)
+
+
+def make_tiny_moe(arch: str, path: Path, seed: int, **overrides) -> str:
+    """A tiny random MoE checkpoint saved by transformers' ``save_pretrained`` (+ the tiny tokenizer)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    tokenizer = train_tiny_tokenizer()
+    config = _moe_config(
+        arch,
+        len(tokenizer),
+        tokenizer.bos_token_id,
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+        **overrides,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=gen)
+            param.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else 0.15 * noise)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("moe")
+    return {
+        name: make_tiny_moe(arch, root / name, seed=7 + i, **overrides)
+        for i, (name, (arch, overrides)) in enumerate(VARIANTS.items())
+    }
+
+
+def moe_layers(model) -> list[FusedMoE]:
+    return [m for m in model.modules() if isinstance(m, FusedMoE)]
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_logits_match_transformers(moe_dirs, variant: str) -> None:
+    """Ragged prefill of three prompts in one forward, then chunked prefill + decode steps: transformers'
+    logits at every position."""
+    path = moe_dirs[variant]
+    model, model_config = load_ours(path)
+    num_sparse = {"qwen3moe-norm-dense": 1, "qwen3moe-step": 1}.get(variant, 2)
+    assert len(moe_layers(model)) == num_sparse
+    prompts = [random_prompt(n, model_config.vocab_size, seed=n) for n in (5, 21, 9)]
+    out = PagedRunner(model, model_config).step(dict(enumerate(prompts)))
+    for i, prompt in enumerate(prompts):
+        torch.testing.assert_close(out[i], hf_logits(path, prompt), atol=ATOL, rtol=0)
+
+    seq = random_prompt(19, model_config.vocab_size, seed=3)
+    expected = hf_logits(path, seq)
+    runner = PagedRunner(model, model_config, num_pad=2)
+    done = 0
+    for size in (7, 5, 3, 1, 1, 1, 1):
+        out = runner.step({0: seq[done : done + size]})
+        torch.testing.assert_close(out[0], expected[done : done + size], atol=ATOL, rtol=0)
+        done += size
+
+
+@pytest.mark.parametrize("variant", ["mixtral", "qwen3moe-norm-dense"])
+def test_greedy_through_llm_matches_transformers(moe_dirs, variant: str) -> None:
+    """pagedllm.LLM greedy = transformers greedy token for token, with small prefill chunks."""
+    from pagedllm import LLM, SamplingParams
+
+    path = moe_dirs[variant]
+    llm = LLM(
+        path, dtype="float32", device="cpu", block_size=4, async_scheduling=False, max_num_batched_tokens=7
+    )
+    vocab = llm.llm_engine.engine_core.vocab_size
+    prompts = [random_prompt(n, vocab, seed=40 + n) for n in (3, 17, 9, 12)]
+    max_new = 10
+    want = hf_greedy(path, prompts, max_new)
+    assert len({tuple(w) for w in want}) > 1 and any(len(set(w)) > 2 for w in want), want  # varied output
+    params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    core = llm.llm_engine.engine_core
+    core.check_integrity()
+    assert core.kv_cache_manager.num_free_blocks == core.kv_cache_manager.pool.num_blocks
+
+
+@pytest.mark.parametrize("variant", ["mixtral", "qwen3moe", "qwen3moe-norm-dense"])
+def test_wrong_routing_changes_logits(moe_dirs, variant: str) -> None:
+    """The comparisons above would catch a routing mistake: top-1 instead of top-2, or the renormalisation
+    flipped, moves the logits far beyond the tolerance."""
+    path = moe_dirs[variant]
+    model, model_config = load_ours(path)
+    prompt = random_prompt(21, model_config.vocab_size, seed=5)
+    expected = hf_logits(path, prompt)
+    runner_out = PagedRunner(model, model_config).step({0: prompt})[0]
+    torch.testing.assert_close(runner_out, expected, atol=ATOL, rtol=0)
+    for layer in moe_layers(model):
+        layer.top_k = 1
+    wrong = PagedRunner(model, model_config).step({0: prompt})[0]
+    assert (wrong - expected).abs().max() > 100 * ATOL
+    for layer in moe_layers(model):
+        layer.top_k = 2
+        layer.renormalize = not layer.renormalize
+    wrong = PagedRunner(model, model_config).step({0: prompt})[0]
+    assert (wrong - expected).abs().max() > 100 * ATOL
+
+
+def test_fused_moe_layer_matches_dense_mixture() -> None:
+    """FusedMoE = an independent dense oracle: every expert on every token, weighted by the routing mask."""
+    torch.manual_seed(0)
+    num_experts, top_k, hidden, inter, tokens = 6, 2, 16, 24, 11
+    for renormalize in (True, False):
+        layer = FusedMoE(num_experts, top_k, hidden, inter, renormalize)
+        with torch.no_grad():
+            layer.gate.weight.normal_()
+            layer.w13.normal_(0, 0.3)
+            layer.w2.normal_(0, 0.3)
+        x = torch.randn(tokens, hidden)
+        probs = torch.softmax(x @ layer.gate.weight.T, dim=-1)  # [T, E]
+        weights, ids = probs.topk(top_k, dim=-1)
+        if renormalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        dense = torch.zeros(tokens, num_experts).scatter(1, ids, weights)  # [T, E]
+        want = torch.zeros(tokens, hidden)
+        for e in range(num_experts):
+            gate, up = (x @ layer.w13[e].T).chunk(2, dim=-1)
+            want += dense[:, e : e + 1] * ((torch.nn.functional.silu(gate) * up) @ layer.w2[e].T)
+        torch.testing.assert_close(layer(x), want, atol=1e-5, rtol=1e-5)
+        got_w, got_ids = select_experts(x @ layer.gate.weight.T, top_k, renormalize)
+        assert torch.equal(got_ids, ids)
+        # the per-expert checkpoint slots are views of the stacked tensors
+        assert layer.experts[3].w13.weight.data_ptr() == layer.w13[3].data_ptr()
+        assert layer.experts[3].w2.weight.data_ptr() == layer.w2[3].data_ptr()
+    assert FusedMoE(4, 2, 8, 8, True)(torch.zeros(0, 8)).shape == (0, 8)
+
+
+def test_loading_is_strict_per_expert(moe_dirs, tmp_path: Path) -> None:
+    """Each expert's tensors land in its own slot: dropping one expert's w3 is reported as a partly loaded
+    slot; swapping two experts' tensors changes the logits."""
+    import shutil
+
+    src = Path(moe_dirs["mixtral"])
+    dst = tmp_path / "broken"
+    shutil.copytree(src, dst)
+    ckpt = dst / "model.safetensors"
+    tensors = load_file(ckpt)
+    name = "model.layers.1.block_sparse_moe.experts.5.w3.weight"
+    dropped = {k: v for k, v in tensors.items() if k != name}
+    save_file(dropped, ckpt, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"experts\.5\.w13\.weight"):
+        load_ours(str(dst))
+
+    model, _ = load_ours(str(src))
+    layer = moe_layers(model)[1]
+    for j, w in enumerate(("w1", "w3")):
+        want = tensors[f"model.layers.1.block_sparse_moe.experts.5.{w}.weight"]
+        assert torch.equal(layer.w13[5, j * want.shape[0] : (j + 1) * want.shape[0]], want)
+    assert torch.equal(layer.w2[5], tensors["model.layers.1.block_sparse_moe.experts.5.w2.weight"])
