@@ -166,6 +166,9 @@ class ModelConfig:
         return int(hd) if hd else cfg.hidden_size // cfg.num_attention_heads
 
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+
 @dataclass
 class CacheConfig:
     block_size: int = 16
@@ -174,8 +177,13 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None  # or by block count
     enable_prefix_caching: bool = True
     cpu_kv_cache_bytes_default: int = 1 << 30  # CPU: cache bytes when nothing else is given
+    # "auto": the model dtype; "fp8" / "fp8_e4m3": float8_e4m3fn with per-layer k/v scales (vLLM's
+    # kv_cache_dtype; scales from the checkpoint, else 1.0). See pagedllm/attention/base.py.
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.cache_dtype!r}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two in [1, 128], got {self.block_size!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -184,6 +192,10 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes!r}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override!r}")
+
+    def kv_cache_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's element type: ``model_dtype`` for "auto", else ``torch.float8_e4m3fn``."""
+        return model_dtype if self.cache_dtype == "auto" else torch.float8_e4m3fn
 
 
 @dataclass
@@ -323,9 +335,8 @@ class LoRAConfig:
 
 @dataclass
 class ParallelConfig:
-    data_parallel_size: int = (
-        1  # whole engine copies, each with its own KV cache (and GPU); see engine/data_parallel.py
-    )
+    # Whole engine copies, each with its own KV cache (and GPU); see engine/data_parallel.py.
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         d = self.data_parallel_size
@@ -361,12 +372,11 @@ class EngineConfig:
     reasoning_parser: str | None = None  # structured outputs then apply after the reasoning ends
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    lora_config: LoRAConfig | None = None  # None: LoRA adapters are refused
 
     @property
     def data_parallel_size(self) -> int:
         return self.parallel_config.data_parallel_size
-
-    lora_config: LoRAConfig | None = None  # None: LoRA adapters are refused
 
 
 def make_engine_config(
@@ -401,6 +411,7 @@ def make_engine_config(
     max_loras: int = 1,
     max_lora_rank: int = 16,
     max_cpu_loras: int | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> EngineConfig:
     """Build every config from vLLM-named keyword arguments (what ``LLM(...)`` and ``pagedllm serve`` take)."""
     if reasoning_parser is not None:
@@ -433,6 +444,7 @@ def make_engine_config(
         kv_cache_memory_bytes=kv_cache_memory_bytes,
         num_gpu_blocks_override=num_gpu_blocks_override,
         enable_prefix_caching=enable_prefix_caching,
+        cache_dtype=kv_cache_dtype,
     )
     scheduler_config = SchedulerConfig(
         max_model_len=model_config.max_model_len,

@@ -10,6 +10,13 @@ Quantized models (``ModelConfig.quant_config``): the model is built with placeho
 ``pagedllm.quantization``), the same strict loading fills them (a parameter marked ``optional``, such as
 GPTQ's ``g_idx``, may keep its initial value), and each method's ``process_weights_after_loading`` runs last.
 
+FP8 KV-cache scales: per-layer ``k_scale`` / ``v_scale`` tensors (one number each) that vLLM, llm-compressor and
+ModelOpt put next to the attention (``model.layers.0.self_attn.k_scale``, ``...self_attn.attn.k_scale``,
+``...self_attn.k_proj.k_scale``; the older ``kv_scale`` sets both; compressed-tensors' ``k_proj.output_scale`` /
+``v_proj.output_scale`` too) go to that layer's :class:`~pagedllm.layers.attention.Attention` (``set_kv_scales``),
+not through the parameter check. They are read whatever ``kv_cache_dtype`` is and used only by an FP8 cache;
+layers without them keep 1.0.
+
 Tensor parallelism: ``get_model(..., tp=group)`` builds this rank's part of the model (``pagedllm.distributed``);
 each parameter's loader copies only its rank's slice of each checkpoint tensor, read one tensor at a time.
 """
@@ -28,6 +35,7 @@ from torch import nn
 from pagedllm.attention.base import AttentionBackend
 from pagedllm.config import ModelConfig
 from pagedllm.distributed.parallel_state import TPGroup, verify_tp_config
+from pagedllm.layers.attention import Attention
 from pagedllm.layers.linear import Linear, default_weight_loader, deferred_linear_weights
 from pagedllm.models.registry import get_model_class
 
@@ -129,14 +137,56 @@ def _map_name(name: str, packed: dict[str, list[str]]) -> tuple[str, int | None]
     return name, None
 
 
+_KV_SCALE_LEAVES = ("k_scale", "v_scale", "kv_scale", "output_scale")
+
+
+def _kv_scale_target(name: str, attn_layers: dict[str, Attention]) -> tuple[Attention, str] | None:
+    """``(attention layer, "k" | "v" | "kv")`` when checkpoint tensor ``name`` is an FP8 KV-cache scale, else None.
+
+    ``<attn>.k_scale`` / ``.v_scale`` / ``.kv_scale`` where ``<attn>`` is the layer or its parent (``self_attn``), or
+    the same on ``<attn>.k_proj`` / ``.v_proj`` (``output_scale`` only there)."""
+    prefix, _, leaf = name.rpartition(".")
+    if leaf not in _KV_SCALE_LEAVES:
+        return None
+    base, _, last = prefix.rpartition(".")
+    proj = {"k_proj": "k", "v_proj": "v"}.get(last)
+    if proj is None:
+        base = prefix
+    which = {"k_scale": "k", "v_scale": "v"}.get(leaf) or proj or ("kv" if leaf == "kv_scale" else None)
+    if which is None:
+        return None
+    for candidate in (base, f"{base}.attn"):
+        if candidate in attn_layers:
+            return attn_layers[candidate], which
+    return None
+
+
+def _load_kv_scale(attn: Attention, which: str, tensor: torch.Tensor, ckpt_name: str) -> None:
+    if tensor.numel() != 1:
+        raise ValueError(
+            f"KV-cache scale {ckpt_name!r} has {tensor.numel()} elements; only per-tensor (one number) scales are "
+            "supported"
+        )
+    value = float(tensor.float().reshape(()))
+    try:
+        attn.set_kv_scales(value if "k" in which else None, value if "v" in which else None)
+    except ValueError as e:
+        raise ValueError(f"bad KV-cache scale {ckpt_name!r}: {e}") from e
+
+
 def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
     """Copy checkpoint tensors into ``model``; ``ValueError`` on unexpected, missing or mis-shaped ones."""
     params, aliases = _param_aliases(model)
     packed = getattr(model, "packed_modules_mapping", {})
     loaded: dict[str, set[int | None]] = {}  # canonical name -> shards filled
     unexpected: list[str] = []
+    attn_layers = {name: m for name, m in model.named_modules() if isinstance(m, Attention)}
     for ckpt_name, tensor in weights:
         if ckpt_name.endswith(_IGNORED_SUFFIXES):
+            continue
+        kv_scale = _kv_scale_target(ckpt_name, attn_layers)
+        if kv_scale is not None:
+            _load_kv_scale(*kv_scale, tensor, ckpt_name)
             continue
         name, shard_id = _map_name(ckpt_name, packed)
         canonical = aliases.get(name)

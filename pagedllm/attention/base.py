@@ -21,6 +21,10 @@ Per-layer options of ``AttentionBackend.forward`` (fixed when the model is built
   work exactly as without a window, at the cost of memory a window-aware allocator could give back.
 * ``logits_soft_cap`` c: the scaled scores ``s`` become ``c * tanh(s / c)`` before masking and the softmax
   (Gemma 2).
+* ``k_scale`` / ``v_scale`` (FP8 KV cache, ``kv_cache_dtype="fp8"``): when ``kv_cache`` is ``float8_e4m3fn``
+  the backend writes ``e4m3(clamp(k / k_scale, -448, 448))`` (values likewise) and reads ``k_fp8 * k_scale``;
+  per-tensor, one pair per layer, from the checkpoint when it has them (else 1.0, vLLM's default). Ignored for
+  caches in the model dtype.
 """
 
 from __future__ import annotations
@@ -61,8 +65,18 @@ class AttentionBackend(Protocol):
         scale: float,
         sliding_window: int | None = None,  # see the module docstring; None = full causal attention
         logits_soft_cap: float | None = None,  # see the module docstring; None = no capping
+        k_scale: float = 1.0,  # FP8 cache only: stored key = key / k_scale (see the module docstring)
+        v_scale: float = 1.0,  # FP8 cache only: stored value = value / v_scale
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
+
+
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_KV_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+
+
+def is_fp8_kv_cache(kv_cache: torch.Tensor) -> bool:
+    return kv_cache.dtype == FP8_KV_DTYPE
 
 
 def get_attention_backend(device: torch.device | str, name: str | None = None) -> AttentionBackend:

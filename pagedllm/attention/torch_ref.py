@@ -10,7 +10,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention.base import AttentionMetadata
+from pagedllm.attention.base import FP8_KV_DTYPE, FP8_KV_MAX, AttentionMetadata
+
+
+def quantize_kv_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:  # same shape, float8_e4m3fn
+    """``e4m3(clamp(x / scale, -448, 448))`` computed in float32 (round to nearest even)."""
+    return (x.float() / scale).clamp(-FP8_KV_MAX, FP8_KV_MAX).to(FP8_KV_DTYPE)
+
+
+def _dequantize(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """Gathered cache entries in ``dtype``: ``x * scale`` for an FP8 cache (in float32), else just ``x``."""
+    if x.dtype == FP8_KV_DTYPE:
+        return (x.float() * scale).to(dtype)
+    return x.to(dtype)
 
 
 def write_kv_cache_ref(
@@ -18,8 +30,12 @@ def write_kv_cache_ref(
     value: torch.Tensor,  # [T, num_kv_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], contiguous
     slot_mapping: torch.Tensor,  # [>= T] int64; slot = block_id * block_size + offset, -1 = skip
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write token ``t``'s key/value into flat slot ``slot_mapping[t]``; entries equal to -1 are skipped.
+
+    An FP8 cache stores ``quantize_kv_fp8(key, k_scale)`` and ``quantize_kv_fp8(value, v_scale)``.
 
     (The boolean mask makes this sync with the host on CUDA; fine for a reference.)
     """
@@ -33,6 +49,10 @@ def write_kv_cache_ref(
         -1, *kv_cache.shape[-2:]
     )  # [num_blocks * block_size, num_kv_heads, head_dim]
     valid_slots = slots[valid]  # [num_valid]
+    if kv_cache.dtype == FP8_KV_DTYPE:
+        key_cache[valid_slots] = quantize_kv_fp8(key[valid], k_scale)
+        value_cache[valid_slots] = quantize_kv_fp8(value[valid], v_scale)
+        return
     key_cache[valid_slots] = key[valid].to(key_cache.dtype)
     value_cache[valid_slots] = value[valid].to(value_cache.dtype)
 
@@ -72,6 +92,8 @@ def _paged_attention(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    k_scale: float = 1.0,  # FP8 cache: keys read as k_fp8 * k_scale (ignored otherwise)
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [T, num_heads, head_dim]; rows past query_start_loc[-1] (padding) are zero
     num_heads = query.shape[1]
     block_size, num_kv_heads, head_dim = key_cache.shape[1:]
@@ -84,7 +106,7 @@ def _paged_attention(
     if len(decodes) > 1:
         _decode_batched(
             query, key_cache, value_cache, block_table, seq_lens, query_start_loc, decodes, scale, out,
-            sliding_window, logits_soft_cap,
+            sliding_window, logits_soft_cap, k_scale, v_scale,
         )  # fmt: skip
     decode_set = set(decodes) if len(decodes) > 1 else set()
     for r, seq_len in enumerate(seq_lens):
@@ -104,8 +126,10 @@ def _paged_attention(
         k = key_cache[block_ids].flatten(0, 1)[keep]  # [L, num_kv_heads, head_dim]
         v = value_cache[block_ids].flatten(0, 1)[keep]  # [L, num_kv_heads, head_dim]
         # GQA: query head h reads kv head h // group.
-        k = k.to(acc_dtype).repeat_interleave(group, dim=1).transpose(0, 1)  # [num_heads, L, head_dim]
-        v = v.to(acc_dtype).repeat_interleave(group, dim=1).transpose(0, 1)  # [num_heads, L, head_dim]
+        k = _dequantize(k, acc_dtype, k_scale)  # [L, num_kv_heads, head_dim]
+        v = _dequantize(v, acc_dtype, v_scale)  # [L, num_kv_heads, head_dim]
+        k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [num_heads, L, head_dim]
+        v = v.repeat_interleave(group, dim=1).transpose(0, 1)  # [num_heads, L, head_dim]
         q = query[q_start:q_end].to(acc_dtype).transpose(0, 1)  # [num_heads, query_len, head_dim]
         # Query i sits at position seq_len - query_len + i and sees keys at positions <= it (and, with a
         # window W, at positions > it - W).
@@ -134,6 +158,8 @@ def _decode_batched(
     out: torch.Tensor,  # [T, num_heads, head_dim], written at those requests' rows
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """All one-token queries in one padded SDPA call (the CPU decode path): keys past a request's length masked
     (and, with a window W, keys at positions <= len - 1 - W)."""
@@ -151,8 +177,10 @@ def _decode_batched(
         torch.arange(num_blocks)[None, :] < ((lens + block_size - 1) // block_size)[:, None]
     )  # [R, num_blocks]
     blocks = blocks.masked_fill(~own.to(blocks.device), 0)
-    k = key_cache[blocks].flatten(1, 2)[:, :max_len].to(acc_dtype)  # [R, L, num_kv_heads, head_dim]
-    v = value_cache[blocks].flatten(1, 2)[:, :max_len].to(acc_dtype)  # [R, L, num_kv_heads, head_dim]
+    k = _dequantize(key_cache[blocks].flatten(1, 2)[:, :max_len], acc_dtype, k_scale)  # [R, L, kv_heads, hd]
+    v = _dequantize(
+        value_cache[blocks].flatten(1, 2)[:, :max_len], acc_dtype, v_scale
+    )  # [R, L, kv_heads, hd]
     k_pos = torch.arange(max_len, device=query.device)[None, :]  # [1, L]
     mask = k_pos < lens.to(query.device)[:, None]  # [R, L]
     if sliding_window is not None:  # the query sits at position len - 1
@@ -177,6 +205,8 @@ def paged_attention_ref(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [T, num_heads, head_dim], query dtype
     """Causal attention of each request's query tokens over its paged context; does not write the cache.
 
@@ -188,6 +218,8 @@ def paged_attention_ref(
     ``c * tanh(scores / c)`` before masking and softmax. Computed in float32 (float64 for float64 inputs).
     GQA: query head ``h`` uses kv head ``h // (num_heads // num_kv_heads)``. Rows past
     ``query_start_loc[-1]`` (padding) are zero. Host-syncs on ``seq_lens``/``query_start_loc`` (test oracle).
+    An FP8 (``float8_e4m3fn``) cache is read as ``k_fp8 * k_scale`` / ``v_fp8 * v_scale`` in float32: exactly
+    the attention over a float32 cache holding those products.
     """
     return _paged_attention(
         query,
@@ -199,6 +231,8 @@ def paged_attention_ref(
         scale,
         sliding_window,
         logits_soft_cap,
+        k_scale,
+        v_scale,
     )
 
 
@@ -217,8 +251,10 @@ class TorchAttentionBackend:
         scale: float,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        write_kv_cache_ref(key, value, kv_cache, metadata.slot_mapping)
+        write_kv_cache_ref(key, value, kv_cache, metadata.slot_mapping, k_scale, v_scale)
         return _paged_attention(
             query,
             kv_cache[0],
@@ -229,4 +265,6 @@ class TorchAttentionBackend:
             scale,
             sliding_window,
             logits_soft_cap,
+            k_scale,
+            v_scale,
         )

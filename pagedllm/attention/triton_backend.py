@@ -27,8 +27,10 @@ class TritonAttentionBackend:
         scale: float,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; padding rows (past metadata.num_tokens) zero
-        reshape_and_cache(key, value, kv_cache, metadata.slot_mapping)
+        reshape_and_cache(key, value, kv_cache, metadata.slot_mapping, k_scale, v_scale)
         out = paged_attention(
             query,
             kv_cache,
@@ -41,6 +43,8 @@ class TritonAttentionBackend:
             metadata.max_seq_len,
             sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
         if query.shape[0] > metadata.num_tokens:
             out[metadata.num_tokens :].zero_()  # the kernel leaves padding rows unwritten

@@ -39,6 +39,13 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
         "checkpoint online)",
     )
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp8", "fp8_e4m3"],
+        help="KV cache element type: auto = the model dtype; fp8 = float8_e4m3fn with per-layer k/v scales "
+        "from the checkpoint (else 1.0)",
+    )
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--attention-backend", default=None, choices=[None, "torch", "triton"])
@@ -117,6 +124,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         load_format=args.load_format,
         trust_remote_code=args.trust_remote_code,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         enforce_eager=args.enforce_eager,
         attention_backend=args.attention_backend,

@@ -95,8 +95,9 @@ class EngineCore:
             "max_concurrency": num_blocks / blocks_per_seq,
         }
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB); maximum concurrency for %d-token "
+            "KV cache (%s): %d blocks of %d tokens (%d tokens, %.1f MiB); maximum concurrency for %d-token "
             "requests: %.2fx",
+            config.cache_config.cache_dtype,
             num_blocks,
             block_size,
             num_blocks * block_size,

@@ -35,6 +35,11 @@ the kernel is the plain causal one. Split-K divides the walked tiles only. The s
 ``s`` into ``cap * tanh(s / cap)`` on every tile (masked or not), before the mask. Blocks behind the window are
 still allocated and listed in the block table; the kernel just does not read them.
 
+FP8 KV cache (``float8_e4m3fn``, per-tensor ``k_scale`` / ``v_scale``; see ``pagedllm/attention/base.py``). Each
+K/V tile is loaded as fp8 (half the bytes of bf16) and converted in registers to the query's dtype (exact: every
+e4m3 value is a bf16/fp16/fp32 value); the scales never touch the tiles: ``k_scale`` is folded into the score
+scale (``q . (k * ks) = (q . k) * ks``) and ``v_scale`` multiplies the fp32 accumulator once at the end.
+
 CUDA graphs. The launcher reads only Python ints and never syncs. The attention grid is
 ``(num_kv_heads, num_q_tiles, num_splits)`` with ``num_q_tiles`` as above (``BLOCK_Q`` from
 :func:`tile_config`, a function of ``max_query_len``, the group, head_dim and dtype) and
@@ -118,6 +123,7 @@ def _attend_tile(
         k = tl.load(kv_cache_ptr + slot_off[None, :] + offs_d[:, None], mask=n_valid[None, :], other=0.0)
     else:
         k = tl.load(kv_cache_ptr + slot_off[None, :] + offs_d[:, None])  # [HEAD_DIM, TILE_N]
+    k = k.to(q.dtype)  # fp8 cache: exact widening in registers (no-op otherwise)
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N], log2 units
     if SOFT_CAP:
         s = cap_log2 * _tanh(s)
@@ -134,6 +140,7 @@ def _attend_tile(
         v = tl.load(v_cache_ptr + slot_off[:, None] + offs_d[None, :], mask=n_valid[:, None], other=0.0)
     else:
         v = tl.load(v_cache_ptr + slot_off[:, None] + offs_d[None, :])  # [TILE_N, HEAD_DIM]
+    v = v.to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
@@ -150,7 +157,8 @@ def _paged_attention_kernel(
     query_start_loc_ptr,  # [num_reqs + 1] int32
     num_reqs,
     part_ml_stride,  # num_tokens * num_heads * NUM_SPLITS
-    qk_scale,  # softmax scale * log2(e); with SOFT_CAP: softmax scale / cap
+    qk_scale,  # softmax scale * log2(e); with SOFT_CAP: softmax scale / cap (times k_scale with KV_FP8)
+    v_scale,  # with KV_FP8: the values' per-tensor scale (else unused)
     cap_log2,  # with SOFT_CAP: cap * log2(e) (else unused)
     window,  # with SLIDING: the window W (else unused)
     stride_qt,
@@ -175,6 +183,7 @@ def _paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, else "tf32" (ignored for 16-bit inputs)
     SLIDING: tl.constexpr,  # keys at or behind q_pos - window are invisible
     SOFT_CAP: tl.constexpr,  # tanh soft-cap on the scores
+    KV_FP8: tl.constexpr,  # float8_e4m3fn cache: scale the accumulator by v_scale
 ):
     kv_head = tl.program_id(0)
     tile_id = tl.program_id(1)
@@ -275,6 +284,8 @@ def _paged_attention_kernel(
             True, SLIDING, SOFT_CAP,
         )  # fmt: skip
 
+    if KV_FP8:
+        acc = acc * v_scale
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(
@@ -359,6 +370,8 @@ def paged_attention(
     config: tuple[int, int, int, int, int] | None = None,  # override tile_config (benchmark sweeps)
     sliding_window: int | None = None,  # W: query at p sees keys p - W < k <= p; None = full causal
     logits_soft_cap: float | None = None,  # c: scores -> c * tanh(scores / c) before the softmax
+    k_scale: float = 1.0,  # float8_e4m3fn cache only: keys read as k_fp8 * k_scale
+    v_scale: float = 1.0,  # float8_e4m3fn cache only: values read as v_fp8 * v_scale
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of ``query`` over the paged cache (this step's keys must already be written).
 
@@ -374,7 +387,8 @@ def paged_attention(
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, (
         f"head_dim {head_dim}: need a power of two >= 16"
     )
-    assert query.dtype == kv_cache.dtype, f"query {query.dtype} != kv_cache {kv_cache.dtype}"
+    kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    assert kv_fp8 or query.dtype == kv_cache.dtype, f"query {query.dtype} != kv_cache {kv_cache.dtype}"
     assert query.stride(2) == 1 and kv_cache.stride(4) == 1, "head_dim must be contiguous"
     assert block_table.dtype == seq_lens.dtype == query_start_loc.dtype == torch.int32
     assert block_table.stride(1) == 1
@@ -406,6 +420,9 @@ def paged_attention(
     else:
         part_acc = part_ml = out  # unused
     part_ml_stride = num_tokens * num_heads * num_splits
+    qk_scale = scale / logits_soft_cap if logits_soft_cap else scale * _LOG2E
+    if kv_fp8:
+        qk_scale *= float(k_scale)  # q . (k_fp8 * k_scale) = (q . k_fp8) * k_scale
     assert num_q_tiles < 65536, f"{num_q_tiles} query tiles: over the grid's y limit"
     _paged_attention_kernel[(num_kv_heads, num_q_tiles, num_splits)](
         query,
@@ -418,7 +435,8 @@ def paged_attention(
         query_start_loc,
         num_reqs,
         part_ml_stride,
-        scale / logits_soft_cap if logits_soft_cap else scale * _LOG2E,
+        qk_scale,
+        float(v_scale) if kv_fp8 else 1.0,
         logits_soft_cap * _LOG2E if logits_soft_cap else 0.0,
         sliding_window or 0,
         query.stride(0),
@@ -443,6 +461,7 @@ def paged_attention(
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         SLIDING=sliding_window is not None,
         SOFT_CAP=logits_soft_cap is not None,
+        KV_FP8=kv_fp8,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -474,11 +493,13 @@ def paged_attention_ref(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """PyTorch twin of :func:`paged_attention`: the reference in ``pagedllm.attention.torch_ref``."""
     from pagedllm.attention.torch_ref import paged_attention_ref as ref
 
     return ref(
         query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale, sliding_window,
-        logits_soft_cap,
+        logits_soft_cap, k_scale, v_scale,
     )  # fmt: skip

@@ -2,6 +2,11 @@
 
 Token t goes to slot ``slot_mapping[t]`` = ``block_id * block_size + offset``; a slot of -1 means "skip"
 (padding tokens). One program per token copies all of its KV heads, keys and values.
+
+FP8 cache (``float8_e4m3fn``, ``kv_cache_dtype="fp8"``): the program stores
+``e4m3(clamp(k / k_scale, -448, 448))`` (values with ``v_scale``), computed in fp32 (IEEE division) and rounded to
+nearest even, as the twin does, so the two match bit for bit. (Triton 3.9's CPU interpreter converts fp32 to fp8
+wrongly: that path is tested on the GPU only.)
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ def _reshape_and_cache_kernel(
     value_ptr,  # [num_tokens, num_kv_heads, head_dim]
     kv_cache_ptr,  # [2, num_blocks, block_size, num_kv_heads, head_dim]: keys at 0, values at stride_kv
     slot_mapping_ptr,  # [num_tokens] int64
+    k_scale,  # with FP8: fp32 per-tensor scale of the keys (else unused)
+    v_scale,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -29,6 +36,7 @@ def _reshape_and_cache_kernel(
     HEAD_DIM: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    FP8: tl.constexpr,  # the cache is float8_e4m3fn: scale, clamp and round on the way in
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
@@ -42,6 +50,9 @@ def _reshape_and_cache_kernel(
     src_t = t.to(tl.int64)
     k = tl.load(key_ptr + src_t * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(value_ptr + src_t * stride_vt + h * stride_vh + d, mask=mask)
+    if FP8:
+        k = tl.clamp(tl.div_rn(k.to(tl.float32), k_scale), -448.0, 448.0).to(kv_cache_ptr.dtype.element_ty)
+        v = tl.clamp(tl.div_rn(v.to(tl.float32), v_scale), -448.0, 448.0).to(kv_cache_ptr.dtype.element_ty)
     dst = block * stride_cb + offset * stride_cs + h * stride_ch + d
     tl.store(kv_cache_ptr + dst, k, mask=mask)
     tl.store(kv_cache_ptr + stride_kv + dst, v, mask=mask)
@@ -52,6 +63,8 @@ def reshape_and_cache(
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [>= num_tokens] int64, -1 = skip
+    k_scale: float = 1.0,  # FP8 cache only: stored key = e4m3(clamp(key / k_scale))
+    v_scale: float = 1.0,
 ) -> None:
     """Scatter ``key``/``value`` into ``kv_cache`` in place. One launch, grid ``(num_tokens,)``."""
     num_tokens, num_kv_heads, head_dim = key.shape
@@ -60,7 +73,8 @@ def reshape_and_cache(
     assert kv_cache.shape[3] == num_kv_heads and kv_cache.shape[4] == head_dim, (
         f"kv_cache {tuple(kv_cache.shape)} does not match key {tuple(key.shape)}"
     )
-    assert key.dtype == value.dtype == kv_cache.dtype, (
+    fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    assert key.dtype == value.dtype and (fp8 or key.dtype == kv_cache.dtype), (
         f"dtypes differ: key {key.dtype}, value {value.dtype}, cache {kv_cache.dtype}"
     )
     assert slot_mapping.dtype == torch.int64 and slot_mapping.shape[0] >= num_tokens
@@ -75,6 +89,8 @@ def reshape_and_cache(
         value,
         kv_cache,
         slot_mapping,
+        float(k_scale),
+        float(v_scale),
         key.stride(0),
         key.stride(1),
         value.stride(0),
@@ -87,6 +103,7 @@ def reshape_and_cache(
         HEAD_DIM=head_dim,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         BLOCK_SIZE=kv_cache.shape[2],
+        FP8=fp8,
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
     )
 
@@ -96,6 +113,8 @@ def reshape_and_cache_ref(
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [>= num_tokens] int64, -1 = skip
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """PyTorch twin of :func:`reshape_and_cache`."""
     num_tokens = key.shape[0]
@@ -104,5 +123,10 @@ def reshape_and_cache_ref(
     keep = slots >= 0
     slots = slots[keep]
     blocks, offsets = slots // block_size, slots % block_size
-    kv_cache[0, blocks, offsets] = key[keep]
-    kv_cache[1, blocks, offsets] = value[keep]
+    key, value = key[keep], value[keep]  # [num_valid, num_kv_heads, head_dim]
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        from pagedllm.attention.torch_ref import quantize_kv_fp8
+
+        key, value = quantize_kv_fp8(key, k_scale), quantize_kv_fp8(value, v_scale)
+    kv_cache[0, blocks, offsets] = key
+    kv_cache[1, blocks, offsets] = value

@@ -14,6 +14,11 @@ class Attention(nn.Module):
     Holds no weights. The backend writes k/v into ``kv_cache`` at ``metadata.slot_mapping`` and attends.
     ``sliding_window`` (this layer's window W, or None) and ``logits_soft_cap`` (or None) are fixed per layer and
     handed to the backend each call; see ``pagedllm/attention/base.py`` for their exact meaning.
+
+    FP8 KV cache: ``k_scale`` / ``v_scale`` (plain floats, per tensor) divide what is written to a
+    ``float8_e4m3fn`` cache and multiply what is read back. The loader sets them from a checkpoint's
+    ``self_attn.k_scale`` / ``v_scale`` (or ``kv_scale``) through :meth:`set_kv_scales`; otherwise they stay 1.0,
+    vLLM's default (fine for activations well inside +-448). Unused for a cache in the model dtype.
     """
 
     def __init__(
@@ -42,6 +47,20 @@ class Attention(nn.Module):
         self.attn_backend = attn_backend
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
+        self.k_scale = 1.0
+        self.v_scale = 1.0
+        self.kv_scales_from_checkpoint = False
+
+    def set_kv_scales(self, k_scale: float | None = None, v_scale: float | None = None) -> None:
+        """Set this layer's FP8 KV scales (a None one is left as it is); ``ValueError`` unless finite and > 0."""
+        for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if value is None:
+                continue
+            value = float(value)
+            if not (value > 0.0 and value != float("inf")):
+                raise ValueError(f"{name} must be finite and > 0, got {value!r}")
+            setattr(self, name, value)
+        self.kv_scales_from_checkpoint = True
 
     def forward(
         self,
@@ -60,6 +79,8 @@ class Attention(nn.Module):
             self.scale,
             sliding_window=self.sliding_window,
             logits_soft_cap=self.logits_soft_cap,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
         )
 
     def extra_repr(self) -> str:
@@ -68,4 +89,16 @@ class Attention(nn.Module):
             f"head_dim={self.head_dim}, backend={self.attn_backend.name}"
             + (f", sliding_window={self.sliding_window}" if self.sliding_window else "")
             + (f", logits_soft_cap={self.logits_soft_cap}" if self.logits_soft_cap else "")
+            + (f", k_scale={self.k_scale}, v_scale={self.v_scale}" if self.kv_scales_from_checkpoint else "")
         )
+
+
+def kv_scales_summary(model: nn.Module, kv_cache_dtype: torch.dtype) -> str:
+    """For the start-up log: where an FP8 cache's k/v scales came from ("" for a cache in the model dtype)."""
+    if kv_cache_dtype != torch.float8_e4m3fn:
+        return ""
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    loaded = sum(m.kv_scales_from_checkpoint for m in layers)
+    if loaded == 0:
+        return "; no k_scale/v_scale in the checkpoint: scales 1.0 (vLLM's default)"
+    return f"; k_scale/v_scale from the checkpoint for {loaded} of {len(layers)} attention layers (else 1.0)"

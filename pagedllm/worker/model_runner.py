@@ -16,6 +16,7 @@ import torch
 from pagedllm.attention.base import AttentionMetadata, get_attention_backend
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from pagedllm.layers.attention import kv_scales_summary
 from pagedllm.sample.metadata import build_plain_sampling_metadata, build_sampling_metadata
 from pagedllm.sample.sampler import LogprobsTensors, Sampler, compute_logprobs_topk
 from pagedllm.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, rejection_sample
@@ -63,6 +64,7 @@ class ModelRunner:
         mc = config.model_config
         self.device = config.device_config.device
         self.dtype = mc.dtype
+        self.kv_cache_dtype = config.cache_config.kv_cache_torch_dtype(mc.dtype)  # float8_e4m3fn for "fp8"
         self.block_size = config.cache_config.block_size
         self.max_model_len = mc.max_model_len
         self.max_num_reqs = config.scheduler_config.max_num_seqs
@@ -133,7 +135,7 @@ class ModelRunner:
 
     def kv_block_bytes(self) -> int:
         mc = self.config.model_config
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * elem
 
     def determine_num_blocks(self, extra_block_bytes: int = 0) -> int:
@@ -168,7 +170,7 @@ class ModelRunner:
                 self.block_size,
                 mc.num_kv_heads,
                 mc.head_dim,
-                dtype=self.dtype,
+                dtype=self.kv_cache_dtype,
                 device=self.device,
             )
             for _ in range(mc.num_layers)
@@ -224,9 +226,12 @@ class ModelRunner:
         mc = self.config.model_config
         shape = (2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
         self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)
+            torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device) for _ in range(mc.num_layers)
         ]
         self.num_blocks = num_blocks
+        logger.info(
+            "KV cache dtype %s%s", self.kv_cache_dtype, kv_scales_summary(self.model, self.kv_cache_dtype)
+        )
 
     def maybe_capture_cuda_graphs(self) -> None:
         """Capture decode graphs unless eager mode was asked for or the backend cannot be captured."""

@@ -494,3 +494,156 @@ def check_backend(dtype, device, **options):
     assert out.shape == ref.shape
     assert torch.isfinite(out).all()  # padding rows are zeroed, like the reference
     assert rel_l2(out, ref) < TOL[dtype] + (1e-2 if dtype == torch.bfloat16 else 0)
+
+
+# ------------------------------------------------------------------------------------ FP8 KV cache
+# The read path (fp8 loads, widening, scales folded into the score scale and the accumulator) runs right in the
+# interpreter; the write path (fp32 -> e4m3 in reshape_and_cache) does not (Triton 3.9's interpreter converts
+# fp32 to fp8 wrongly), so it is checked on the GPU only, against its twin, bit for bit.
+
+
+def check_attention_fp8(
+    lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, k_scale, v_scale, num_splits=None,
+    sliding_window=None, soft_cap=None, seed=0,
+) -> float:  # fmt: skip
+    """Kernel over an FP8 cache (NaN-poisoned unused slots stay NaN in e4m3) vs the twin in float64, which reads
+    ``fp8 * scale``. Keys/values are spread to about +-12 so a small k_scale clamps some of them."""
+    from pagedllm.attention.torch_ref import quantize_kv_fp8
+
+    b = make_batch(lens, num_heads, num_kv_heads, head_dim, block_size, torch.float32, "cpu", seed)
+    c = b["kv_cache"] * 3
+    cache = torch.stack([quantize_kv_fp8(c[0], k_scale), quantize_kv_fp8(c[1], v_scale)]).to(device)
+    assert cache.dtype == torch.float8_e4m3fn
+    query = b["query"].to(dtype).to(device)
+    args = (b["block_table"].to(device), b["seq_lens"].to(device), b["query_start_loc"].to(device))
+    out = torch.full_like(query, float("nan"))
+    paged_attention(
+        query, cache, *args, 0.25, b["num_reqs"], b["max_query_len"], b["max_seq_len"], out=out,
+        num_splits=num_splits, sliding_window=sliding_window, logits_soft_cap=soft_cap, k_scale=k_scale,
+        v_scale=v_scale,
+    )  # fmt: skip
+    ref = paged_attention_ref(
+        query.double(),
+        cache[0],
+        cache[1],
+        *args,
+        0.25,
+        sliding_window,
+        soft_cap,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
+    n = b["num_tokens"]
+    err = rel_l2(out[:n], ref[:n])
+    assert err < TOL[dtype], f"rel L2 {err:.2e} >= {TOL[dtype]:.0e} for {lens}"
+    return err
+
+
+def check_backend_fp8(dtype, device, k_scale, v_scale, **options):
+    """The Triton backend step on an FP8 cache (write + attention) vs TorchAttentionBackend: the caches equal
+    byte for byte (same fp32 IEEE division, clamp and round-to-nearest-even), the outputs within TOL."""
+    from pagedllm.attention.torch_ref import quantize_kv_fp8
+
+    lens = [(1, 40), (13, 30), (1, 9), (6, 6)]
+    num_heads, num_kv_heads, head_dim, block_size = 8, 2, 32, 16
+    b = make_batch(
+        lens, num_heads, num_kv_heads, head_dim, block_size, torch.float32, "cpu", seed=3, pad_tokens=2
+    )
+    num_tokens = b["num_tokens"]
+    slots = []
+    for r, (q_len, seq_len) in enumerate(lens):
+        for pos in range(seq_len - q_len, seq_len):
+            slots.append(int(b["block_table"][r, pos // block_size]) * block_size + pos % block_size)
+    g = torch.Generator().manual_seed(7)
+    key = (4 * torch.randn(num_tokens + 2, num_kv_heads, head_dim, generator=g)).to(dtype).to(device)
+    value = (4 * torch.randn(num_tokens + 2, num_kv_heads, head_dim, generator=g)).to(dtype).to(device)
+    cache = torch.stack(
+        [quantize_kv_fp8(b["kv_cache"][0], k_scale), quantize_kv_fp8(b["kv_cache"][1], v_scale)]
+    )
+    metadata = AttentionMetadata(
+        num_reqs=len(lens),
+        num_tokens=num_tokens,
+        max_query_len=b["max_query_len"],
+        max_seq_len=b["max_seq_len"],
+        query_start_loc=b["query_start_loc"].to(device),
+        seq_lens=b["seq_lens"].to(device),
+        block_table=b["block_table"].to(device),
+        slot_mapping=torch.tensor(slots + [-1, -1], dtype=torch.int64, device=device),
+        query_start_loc_cpu=b["query_start_loc"],
+        seq_lens_cpu=b["seq_lens"],
+    )
+    query = b["query"].to(dtype).to(device)
+    cache_triton, cache_torch = cache.to(device), cache.to(device)
+    kw = dict(k_scale=k_scale, v_scale=v_scale, **options)
+    out = TritonAttentionBackend().forward(query, key, value, cache_triton, metadata, head_dim**-0.5, **kw)
+    ref = TorchAttentionBackend().forward(query, key, value, cache_torch, metadata, head_dim**-0.5, **kw)
+    assert torch.equal(cache_triton.view(torch.uint8), cache_torch.view(torch.uint8))
+    assert torch.isfinite(out).all()
+    assert rel_l2(out, ref) < TOL[dtype] + (1e-2 if dtype == torch.bfloat16 else 0)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@ALL_LENS
+def test_paged_attention_fp8_cache_gpu(dtype, lens):
+    check_attention_fp8(lens, 32, 8, 128, 16, dtype, "cuda", 1.0, 1.0)
+    check_attention_fp8(lens, 32, 8, 128, 16, dtype, "cuda", 0.02, 3.0)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("num_splits", [None, 2, 8])
+def test_paged_attention_fp8_split_k_window_gpu(num_splits):
+    lens = [(1, 600), (1, 1), (1, 75), (1, 1100), (9, 700)]
+    check_attention_fp8(lens, 32, 8, 128, 16, torch.bfloat16, "cuda", 0.5, 2.0, num_splits)
+    check_attention_fp8(lens, 32, 8, 128, 16, torch.bfloat16, "cuda", 0.5, 2.0, num_splits, 100, 30.0)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("k_scale,v_scale", [(1.0, 1.0), (0.01, 4.0)])
+def test_reshape_and_cache_fp8_gpu(dtype, k_scale, v_scale):
+    """The FP8 cache write against its twin, byte for byte (values past 448 * scale clamp, padding skipped)."""
+    from pagedllm.kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
+
+    g = torch.Generator().manual_seed(1)
+    num_tokens, num_kv_heads, head_dim, block_size, num_blocks = 300, 8, 128, 16, 40
+    key = (5 * torch.randn(num_tokens, num_kv_heads, head_dim, generator=g)).to(dtype).cuda()
+    value = (5 * torch.randn(num_tokens, num_kv_heads, head_dim, generator=g)).to(dtype).cuda()
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
+    slots[::7] = -1
+    slot_mapping = slots.to(torch.int64).cuda()
+    cache = torch.zeros(
+        2, num_blocks, block_size, num_kv_heads, head_dim, dtype=torch.float8_e4m3fn, device="cuda"
+    )
+    cache_ref = cache.clone()
+    reshape_and_cache(key, value, cache, slot_mapping, k_scale, v_scale)
+    reshape_and_cache_ref(key, value, cache_ref, slot_mapping, k_scale, v_scale)
+    assert torch.equal(cache.view(torch.uint8), cache_ref.view(torch.uint8))
+    assert torch.isfinite(cache.float()).all()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_backend_fp8_matches_torch_gpu(dtype):
+    check_backend_fp8(dtype, "cuda", 1.0, 1.0)
+    check_backend_fp8(dtype, "cuda", 0.05, 2.5, sliding_window=12, logits_soft_cap=5.0)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_paged_attention_fp8_cache_interpret(dtype):
+    check_attention_fp8(MIXED, 4, 2, 16, 16, dtype, "cpu", 0.3, 2.0)
+    check_attention_fp8(CHUNKED, 8, 2, 32, 4, dtype, "cpu", 1.0, 1.0)
+    check_attention_fp8(DECODE, 4, 1, 16, 8, dtype, "cpu", 0.02, 0.5)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("num_splits", [None, 4])
+def test_paged_attention_fp8_split_k_window_interpret(num_splits):
+    lens = [(1, 600), (1, 1), (9, 700), (3, 3)]
+    check_attention_fp8(lens, 4, 2, 16, 16, torch.float32, "cpu", 0.5, 2.0, num_splits)
+    check_attention_fp8(lens, 4, 2, 16, 16, torch.bfloat16, "cpu", 0.5, 2.0, num_splits, 40, 2.0)
