@@ -91,3 +91,41 @@ def test_async_llm_data_parallel(tiny_llama):
             engine.shutdown()
 
     asyncio.run(run())
+
+
+def test_a_dead_rank_fails_requests_and_health(tiny_llama):
+    """Killing one rank's core process mid-run ends every request with EngineDeadError within seconds, and the
+    engine reports itself dead (the server's /health then answers 503), as with one core."""
+    import os
+    import signal
+    import time
+
+    from pagedllm.engine.core_process import EngineDeadError
+
+    async def run() -> None:
+        config = make_engine_config(
+            tiny_llama, device="cpu", dtype="float32", kv_cache_memory_bytes=4 << 20, data_parallel_size=2
+        )
+        engine = AsyncLLM(config)
+        try:
+            params = SamplingParams(max_tokens=450, ignore_eos=True)
+            got = asyncio.Event()
+
+            async def consume(request_id: str) -> None:
+                async for _ in engine.generate("w", params, request_id):
+                    got.set()
+
+            tasks = [asyncio.create_task(consume(f"doomed-{i}")) for i in range(4)]  # two per rank
+            await asyncio.wait_for(got.wait(), 30)
+            os.kill(engine.engine_core.clients[1].pid, signal.SIGKILL)
+            start = time.monotonic()
+            results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
+            assert time.monotonic() - start < 5
+            assert all(isinstance(r, EngineDeadError) for r in results), results
+            assert engine.errored
+            with pytest.raises(EngineDeadError):
+                await engine.check_health()
+        finally:
+            engine.shutdown()
+
+    asyncio.run(run())
