@@ -337,11 +337,20 @@ class LoRAConfig:
 class ParallelConfig:
     # Whole engine copies, each with its own KV cache (and GPU); see engine/data_parallel.py.
     data_parallel_size: int = 1
+    # Ranks one model is sharded over (pagedllm/distributed): worker processes on this node.
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # "mp" (the only one so far) or None
 
     def __post_init__(self) -> None:
-        d = self.data_parallel_size
-        if isinstance(d, bool) or not isinstance(d, int) or d < 1:
-            raise ValueError(f"data_parallel_size must be an integer >= 1, got {d!r}")
+        for name in ("data_parallel_size", "tensor_parallel_size"):
+            d = getattr(self, name)
+            if isinstance(d, bool) or not isinstance(d, int) or d < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {d!r}")
+        if self.distributed_executor_backend not in (None, "mp"):
+            raise ValueError(
+                f"distributed_executor_backend {self.distributed_executor_backend!r} is not supported yet "
+                "(only 'mp': worker processes on this node)"
+            )
 
 
 @dataclass
@@ -406,6 +415,8 @@ def make_engine_config(
     reasoning_parser: str | None = None,
     speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
     data_parallel_size: int = 1,
+    tensor_parallel_size: int = 1,
+    distributed_executor_backend: str | None = None,
     quantization: str | None = None,
     enable_lora: bool = False,
     max_loras: int = 1,
@@ -458,6 +469,17 @@ def make_engine_config(
         if async_scheduling is None
         else async_scheduling,
     )
+    parallel_config = ParallelConfig(data_parallel_size, tensor_parallel_size, distributed_executor_backend)
+    if tensor_parallel_size > 1:
+        from pagedllm.distributed.parallel_state import verify_tp_config
+
+        verify_tp_config(model_config.hf_config, tensor_parallel_size)  # ValueError naming the field
+        if spec is not None:
+            raise ValueError("speculative_config with tensor_parallel_size > 1 is not supported yet")
+        if lora_config is not None:
+            raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported yet")
+        # The workers need step N's sampled tokens before step N+1 (see pagedllm/distributed/executor.py).
+        scheduler_config.async_scheduling = False
     if spec is not None:
         spec.check_target(model_config)
         if scheduler_config.async_scheduling:
@@ -477,6 +499,6 @@ def make_engine_config(
         check_integrity_on_idle=check_integrity_on_idle,
         reasoning_parser=reasoning_parser,
         speculative_config=spec,
-        parallel_config=ParallelConfig(data_parallel_size),
+        parallel_config=parallel_config,
         lora_config=lora_config,
     )

@@ -57,6 +57,14 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
         help="plan the next step while the GPU runs this one (default: on with CUDA, off on CPU)",
     )
     parser.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="shard the model over this many ranks (worker processes on this node; GPUs cuda:0..T-1)",
+    )
+    parser.add_argument("--distributed-executor-backend", default=None, choices=[None, "mp"])
+    parser.add_argument(
         "--data-parallel-size",
         "-dp",
         type=int,
@@ -134,6 +142,8 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         quantization=getattr(args, "quantization", None),
         speculative_config=getattr(args, "speculative_config", None),
         data_parallel_size=getattr(args, "data_parallel_size", 1),
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+        distributed_executor_backend=getattr(args, "distributed_executor_backend", None),
         served_model_name=getattr(args, "served_model_name", None),
         enable_lora=getattr(args, "enable_lora", False),
         max_loras=getattr(args, "max_loras", 1),

@@ -32,7 +32,12 @@ class EngineCore:
         self._tokenizer = tokenizer
         self.structured: StructuredOutputManager | None = None  # created at the first constrained request
         t0 = time.perf_counter()
-        self.runner = ModelRunner(config)
+        if config.parallel_config.tensor_parallel_size > 1:
+            from pagedllm.distributed.executor import TensorParallelRunner
+
+            self.runner = TensorParallelRunner(config)  # rank 0 here, the other ranks in worker processes
+        else:
+            self.runner = ModelRunner(config)
         self.proposer = None
         if config.speculative_config is not None:
             from pagedllm.spec_decode.proposer import make_proposer
@@ -364,6 +369,8 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self._pending_sample = None
+        if hasattr(self.runner, "shutdown"):
+            self.runner.shutdown()
         self.runner.kv_caches = []
         if self.structured is not None:
             self.structured.shutdown()

@@ -9,6 +9,7 @@ import logging
 import operator
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -16,6 +17,7 @@ import torch
 from pagedllm.attention.base import AttentionMetadata, get_attention_backend
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from pagedllm.distributed.parallel_state import local_num_kv_heads
 from pagedllm.layers.attention import kv_scales_summary
 from pagedllm.sample.metadata import build_plain_sampling_metadata, build_sampling_metadata
 from pagedllm.sample.sampler import LogprobsTensors, Sampler, compute_logprobs_topk
@@ -57,7 +59,8 @@ class StepInFlight:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tp: Any = None) -> None:
+        """``tp``: this rank's ``TPGroup`` under tensor parallelism (pagedllm/distributed/executor.py)."""
         from pagedllm.model_loader import get_model
 
         self.config = config
@@ -73,7 +76,9 @@ class ModelRunner:
         self.attn_backend = get_attention_backend(self.device, config.attention_backend)
         torch.manual_seed(mc.seed)
         t0 = time.perf_counter()
-        self.model = get_model(mc, self.device, self.attn_backend)
+        self.model = get_model(mc, self.device, self.attn_backend, tp=tp)
+        self.tp_size = 1 if tp is None else tp.size
+        self.num_kv_heads = local_num_kv_heads(mc.num_kv_heads, self.tp_size)  # this rank's
         logger.info(
             "loaded %s in %.2fs (%s, %s)", mc.model, time.perf_counter() - t0, self.dtype, self.device
         )
@@ -136,7 +141,7 @@ class ModelRunner:
     def kv_block_bytes(self) -> int:
         mc = self.config.model_config
         elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
-        return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * elem
+        return 2 * mc.num_layers * self.block_size * self.num_kv_heads * mc.head_dim * elem
 
     def determine_num_blocks(self, extra_block_bytes: int = 0) -> int:
         """Blocks that fit the memory budget: by hand (override / bytes), or profiled on CUDA, or a CPU default.
@@ -168,7 +173,7 @@ class ModelRunner:
                 2,
                 n_blocks,
                 self.block_size,
-                mc.num_kv_heads,
+                self.num_kv_heads,
                 mc.head_dim,
                 dtype=self.kv_cache_dtype,
                 device=self.device,
@@ -224,7 +229,7 @@ class ModelRunner:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         mc = self.config.model_config
-        shape = (2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        shape = (2, num_blocks, self.block_size, self.num_kv_heads, mc.head_dim)
         self.kv_caches = [
             torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device) for _ in range(mc.num_layers)
         ]
@@ -538,6 +543,16 @@ class ModelRunner:
                     lp.ranks[rows],
                 )
             start += int(step.spec_num_draft[j]) + 1
+
+    def apply_sampled(self, sampled: dict[str, list[int]]) -> None:
+        """A tensor-parallel worker's stand-in for ``sample`` + ``collect``: append the tokens rank 0 sampled."""
+        batch = self.input_batch
+        for req_id, tokens in sampled.items():
+            row = batch.req_id_to_row.get(req_id)
+            if row is not None:
+                end = int(batch.num_tokens_np[row])
+                batch.token_ids_np[row, end : end + len(tokens)] = tokens
+                batch.num_tokens_np[row] = end + len(tokens)
 
     def _sampling_metadata(self, s_rows: np.ndarray):
         batch = self.input_batch
