@@ -93,8 +93,9 @@ class DraftModelProposer:
     def propose(self, requests: Sequence[Request], *step_info: Any) -> None:
         budget = self.max_num_tokens
         chosen: list[tuple[Request, int]] = []  # (request, its number of drafts)
+        partial: list[tuple[Request, int]] = []  # (request, tokens of its catch-up this step): no drafts yet
         for request in requests:
-            if not can_speculate(request):
+            if not can_speculate(request) or budget <= 0:
                 continue
             num_tokens = request.num_tokens
             k = min(
@@ -102,25 +103,38 @@ class DraftModelProposer:
                 self.max_model_len - num_tokens - 1,
                 request.max_tokens - request.num_output_tokens - 1,
             )
+            if k <= 0:
+                continue
             state = self.states.get(request.request_id)
             catch_up = num_tokens - (state.num_computed if state else 0)
-            if k <= 0 or catch_up > budget:
+            if catch_up > budget:  # a long prompt: catch up a chunk now, draft at a later step
+                partial.append((request, budget))
+                budget = 0
                 continue
             budget -= catch_up
             chosen.append((request, k))
-        keep = {r.request_id for r, _ in chosen}
+        keep = {r.request_id for r, _ in chosen + partial}
         finished = {req_id for req_id in self.states if req_id not in keep}
         for req_id in finished:
             del self.states[req_id]
-        if not chosen:
+        if not chosen and not partial:
             if finished:
                 self.runner.launch(self._sched_output([], [], {}, {}, finished))
             return
         new, cached, num_sched, num_computed = [], [], {}, {}
         for request, _ in chosen:
             self._sync(request, new, cached, num_sched, num_computed)
+        for request, chunk in partial:
+            self._sync(request, new, cached, num_sched, num_computed)
+            num_sched[request.request_id] = chunk
         batch_tokens = self.runner.input_batch
         self._run(self._sched_output(new, cached, num_sched, num_computed, finished))
+        for request, chunk in partial:
+            state = self.states[request.request_id]
+            state.num_computed += chunk
+            state.num_verified = request.num_tokens
+        if not chosen:
+            return
         # Steps 2..k: one token per request that still wants drafts.
         for j in range(1, max(k for _, k in chosen)):
             step_reqs = [(r, k) for r, k in chosen if k > j]

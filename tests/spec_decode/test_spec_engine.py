@@ -339,3 +339,16 @@ def test_draft_model_cache_shares_the_target_blocks(tiny_model_dirs, tiny_llama)
     assert core.proposer.runner.num_blocks == core.kv_cache_manager.pool.num_blocks
     assert core.config.scheduler_config.num_lookahead_tokens == 3
     assert plain.llm_engine.engine_core.config.scheduler_config.num_lookahead_tokens == 0
+
+
+def test_draft_model_catches_up_a_prompt_longer_than_the_token_budget(tiny_llama):
+    """A prompt longer than max_num_batched_tokens reaches the draft model over several steps (a chunk per step)
+    and then gets drafts; with draft = target every one is accepted."""
+    spec = {"model": tiny_llama, "num_speculative_tokens": 3}
+    llm = make_llm(tiny_llama, spec, max_num_batched_tokens=8)
+    prompt = make_prompts(6)[3]  # 30 tokens
+    assert len(prompt) > 8
+    assert greedy(llm, [prompt], max_tokens=24) == reference(tiny_llama, (tuple(prompt),), 24)
+    s = stats(llm)
+    assert s.spec_num_drafts > 0 and s.spec_num_accepted_tokens == s.spec_num_draft_tokens
+    assert_no_leaks(llm)
