@@ -109,7 +109,7 @@ def test_ngram_accepts_drafts(tiny_llama):
 
 
 def test_exact_with_small_chunks_prefix_hits_and_preemption(tiny_model_dirs, tiny_llama, method):
-    """A token budget of 6 splits prompts and caps drafts; shared prefixes hit the cache; a 33-block pool
+    """A token budget of 6 splits prompts and caps drafts; shared prefixes hit the cache; a 21-block pool
     forces preemptions mid-generation. Output must still be transformers'."""
     base = make_prompts(1)
     prefix = [11, 12, 13, 14, 15, 16, 17, 18]
@@ -118,14 +118,13 @@ def test_exact_with_small_chunks_prefix_hits_and_preemption(tiny_model_dirs, tin
         tiny_llama,
         spec_config(method, tiny_llama, tiny_model_dirs),
         max_num_batched_tokens=6,
-        num_gpu_blocks_override=33,
+        num_gpu_blocks_override=21,
         max_num_seqs=8,
-        max_model_len=128,
+        max_model_len=80,
     )
     assert greedy(llm, prompts) == reference(tiny_llama, tuple(map(tuple, prompts)))
     s = stats(llm)
-    # (EAGLE drafts change the schedule enough that this pool does not run out; test_eagle.py preempts it.)
-    assert s.num_preemptions > 0 or method == "eagle", "the test meant to preempt"
+    assert s.num_preemptions > 0, "the test meant to preempt"
     assert s.prefix_cache_hits > 0, "the test meant to hit the prefix cache"
     assert s.spec_num_drafts > 0
     assert_no_leaks(llm)
