@@ -186,7 +186,11 @@ class LlamaDecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, kv_cache, attn_metadata)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.run_mlp(hidden), residual
+
+    def run_mlp(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, hidden_size] -> [T, hidden_size]
+        """The feed-forward block (a mixture-of-experts layer overrides it)."""
+        return self.mlp(hidden)
 
 
 class LlamaModel(nn.Module):

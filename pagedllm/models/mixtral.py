@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.attention.base import AttentionBackend, AttentionMetadata
+from pagedllm.attention.base import AttentionBackend
 from pagedllm.distributed.parallel_state import TPGroup
 from pagedllm.layers.embedding import VocabEmbedding
 from pagedllm.layers.fused_moe import FusedMoE
@@ -21,6 +21,7 @@ from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, get_rope, rope_config
 from pagedllm.models.llama import (
     LlamaAttention,
+    LlamaDecoderLayer,
     LlamaForCausalLM,
     LlamaModel,
     MistralAttention,
@@ -31,9 +32,9 @@ from pagedllm.models.llama import (
 MLPFactory = Callable[[Any, int], tuple[str, nn.Module]]
 
 
-class MoEDecoderLayer(nn.Module):
-    """The Llama decoder layer (pre-norm, fused residual adds) with the MLP the model's factory builds, stored
-    under the checkpoint's name for it (``block_sparse_moe`` or ``mlp``)."""
+class MoEDecoderLayer(LlamaDecoderLayer):
+    """The Llama decoder layer (its forward: pre-norm, fused residual adds) with the MLP the model's factory
+    builds, stored under the checkpoint's name for it (``block_sparse_moe`` or ``mlp``)."""
 
     def __init__(
         self,
@@ -44,29 +45,15 @@ class MoEDecoderLayer(nn.Module):
         attention_cls: type[LlamaAttention],
         make_mlp: MLPFactory,
     ) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # not LlamaDecoderLayer's: its dense MLP is not wanted here
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = attention_cls(config, layer_idx, attn_backend, rotary_emb)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp_name, mlp = make_mlp(config, layer_idx)
         self.add_module(self.mlp_name, mlp)
 
-    def forward(
-        self,
-        positions: torch.Tensor,  # [T]
-        hidden: torch.Tensor,  # [T, hidden_size]
-        residual: torch.Tensor | None,  # [T, hidden_size]; None for the first layer
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-        attn_metadata: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # (hidden, residual), each [T, hidden_size]
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, attn_metadata)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return getattr(self, self.mlp_name)(hidden), residual
+    def run_mlp(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, hidden_size] -> [T, hidden_size]
+        return getattr(self, self.mlp_name)(hidden)
 
 
 class MoEModel(LlamaModel):
