@@ -217,25 +217,7 @@ class Gemma3Attention(Gemma2Attention):
     """Gemma 2's attention plus (1 + w) RMSNorm over each head's q and k before RoPE."""
 
     layer_sliding_window = staticmethod(gemma3_layer_sliding_window)
-
-    def __init__(
-        self,
-        config: Any,
-        layer_idx: int,
-        attn_backend: AttentionBackend,
-        rotary_emb: RotaryEmbedding,
-        tp: TPGroup | None = None,
-    ) -> None:
-        super().__init__(config, layer_idx, attn_backend, rotary_emb, tp=tp)
-        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)  # [head_dim] weight, shared by heads
-        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
-
-    def qk_norm(
-        self,
-        q: torch.Tensor,  # [T, num_heads, head_dim]
-        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.q_norm(q), self.k_norm(k)
+    qk_norm_cls = GemmaRMSNorm
 
 
 class Gemma3Model(Gemma2Model):

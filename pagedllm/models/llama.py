@@ -50,6 +50,8 @@ class LlamaAttention(nn.Module):
     """Under tensor parallelism (``tp``) this rank runs ``num_heads`` = heads / T query heads and
     ``num_kv_heads`` = KV heads / T (or 1, replicated) KV heads: q/k/v column-parallel, o_proj row-parallel."""
 
+    qk_norm_cls: type[RMSNorm] | None = None  # per-head q/k norm before RoPE (None: none)
+
     def __init__(
         self,
         config: Any,
@@ -70,6 +72,9 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(total_num_heads * self.head_dim, config.hidden_size, o_bias, tp=tp)
         self.rotary_emb = rotary_emb  # shared by all layers
+        if self.qk_norm_cls is not None:  # one [head_dim] weight each, shared by the heads
+            self.q_norm = self.qk_norm_cls(self.head_dim, config.rms_norm_eps)
+            self.k_norm = self.qk_norm_cls(self.head_dim, config.rms_norm_eps)
         self.attn = Attention(
             self.num_heads,
             self.head_dim,
@@ -91,9 +96,15 @@ class LlamaAttention(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         return bias, bias
 
-    def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hook run on per-head q/k before RoPE; Llama has none."""
-        return q, k
+    def qk_norm(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head RMSNorm of q and k before RoPE when ``qk_norm_cls`` is set (Qwen3, Gemma 3); Llama has none."""
+        if self.qk_norm_cls is None:
+            return q, k
+        return self.q_norm(q), self.k_norm(k)
 
     def forward(
         self,
