@@ -89,3 +89,32 @@ def test_chat_repl(tiny_llama):
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("> ") == 3
+
+
+def test_new_engine_flags_reach_the_engine_config(tiny_llama):
+    """This session's flags, as `pagedllm serve/generate/bench` parse them, build the configs they name; bad
+    values are refused by the parser or by the config with the field's name."""
+    from pagedllm.config import make_engine_config
+    from pagedllm.engine.arg_utils import add_engine_args, engine_kwargs_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(
+        ["--model", tiny_llama, "--device", "cpu", "--quantization", "fp8", "--kv-cache-dtype", "fp8",
+         "--data-parallel-size", "2", "--tensor-parallel-size", "2", "--distributed-executor-backend", "mp",
+         "--enable-lora", "--max-loras", "3", "--max-lora-rank", "32"]
+    )  # fmt: skip
+    kw = engine_kwargs_from_args(args)
+    with pytest.raises(ValueError, match="enable_lora"):  # LoRA under TP is refused at start-up
+        make_engine_config(tiny_llama, **kw)
+    kw.update(enable_lora=False, tensor_parallel_size=1)
+    config = make_engine_config(tiny_llama, **kw)
+    assert config.model_config.quantization == "fp8"
+    assert config.cache_config.cache_dtype == "fp8"
+    assert config.parallel_config.data_parallel_size == 2
+    assert config.parallel_config.distributed_executor_backend == "mp"
+    kw.update(tensor_parallel_size=2, data_parallel_size=1, quantization=None)
+    assert make_engine_config(tiny_llama, **kw).parallel_config.tensor_parallel_size == 2
+    for bad in (["--kv-cache-dtype", "int8"], ["--quantization", "int3"], ["--tensor-parallel-size", "x"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(bad)
