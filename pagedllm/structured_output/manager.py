@@ -10,7 +10,9 @@ Data flow (see engine_core.py):
 
 A ``GrammarState`` belongs to one request. With a reasoning parser the grammar applies only after the reasoning
 ends (the end marker, e.g. ``</think>``, in the prompt after the last start marker, or generated).
-``rollback`` undoes accepted tokens (speculative decoding's rejected drafts). Preemption needs no rollback: a
+``rollback`` undoes accepted tokens (speculative decoding's rejected drafts). JSON with free whitespace gets
+its whitespace runs capped here, per token (grammar.py says why): after ``MAX_JSON_WHITESPACE_TOKENS``
+consecutive whitespace-only tokens, the row's mask drops every whitespace-only token until another one comes. Preemption needs no rollback: a
 preempted request keeps its generated tokens (it is recomputed, not restarted), and a token sampled by a step
 in flight when it was preempted is still accepted; so the matcher always matches the request's output.
 """
@@ -27,7 +29,12 @@ from typing import Any
 import torch
 
 from pagedllm.sampling_params import StructuredOutputsParams
-from pagedllm.structured_output.grammar import _xgr, build_grammar
+from pagedllm.structured_output.grammar import (
+    MAX_JSON_WHITESPACE_TOKENS,
+    _xgr,
+    build_grammar,
+    caps_whitespace,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +67,8 @@ class GrammarState:
         self._end_ids: list[int] = []
         self._tail: list[int] = []  # last generated tokens while reasoning (to spot the end marker)
         self.num_accepted = 0  # tokens the matcher accepted (what rollback may undo)
+        self._ws_ids: frozenset[int] | None = None  # whitespace-only token ids, when this grammar caps their runs
+        self._ws_runs: list[int] = []  # after each accepted token: how many whitespace-only tokens end the output
 
     def ready(self) -> bool:
         """Whether the grammar compiled (or failed: then ``error`` says why). Creates the matcher once."""
@@ -68,7 +77,7 @@ class GrammarState:
         if not self._future.done():
             return False
         try:
-            compiled, start_ids, end_ids = self._future.result()
+            compiled, start_ids, end_ids, self._ws_ids = self._future.result()
         except Exception as e:  # noqa: BLE001 - the front-end validated the constraint; report whatever is left
             self.error = f"{type(e).__name__}: {e}"
             return True
@@ -107,13 +116,23 @@ class GrammarState:
             return True  # past the end (ignore_eos): nothing left to check
         ok = self.matcher.accept_token(token_id)
         self.num_accepted += ok
+        if ok and self._ws_ids is not None:
+            run = self._ws_runs[-1] + 1 if self._ws_runs and token_id in self._ws_ids else int(token_id in self._ws_ids)
+            self._ws_runs.append(run)
         return ok
+
+    @property
+    def whitespace_capped(self) -> bool:
+        """Whether the next token must not be whitespace-only (the run reached ``MAX_JSON_WHITESPACE_TOKENS``)."""
+        return self._ws_ids is not None and bool(self._ws_runs) and self._ws_runs[-1] >= MAX_JSON_WHITESPACE_TOKENS
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens."""
         if num_tokens:
             self.matcher.rollback(num_tokens)
             self.num_accepted -= num_tokens
+            if self._ws_ids is not None:
+                del self._ws_runs[len(self._ws_runs) - num_tokens :]
 
 
 class StructuredOutputManager:
@@ -142,6 +161,8 @@ class StructuredOutputManager:
         self._marker_ids: tuple[list[int], list[int]] = ([], [])
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._batch_matcher: Any = None
+        self._ws_ids: frozenset[int] = frozenset()  # whitespace-only token ids (set with the compiler)
+        self._not_ws_mask: torch.Tensor | None = None  # [num_words] int32: bit set = not whitespace-only
         self._buffers: list[torch.Tensor] = []  # two host bitmask buffers, used in turn
         self._turn = 0
 
@@ -163,12 +184,24 @@ class StructuredOutputManager:
                         tokenizer.encode(end, add_special_tokens=False),
                     )
                 self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+                self._set_whitespace_tokens(info.decoded_vocab)
             return self._compiler
 
-    def _compile(self, params: StructuredOutputsParams) -> tuple[Any, list[int], list[int]]:
+    def _set_whitespace_tokens(self, decoded_vocab: Sequence[bytes]) -> None:
+        ws = [i for i, b in enumerate(decoded_vocab[: self.vocab_size]) if b and not b.strip(b" \t\n\r")]
+        self._ws_ids = frozenset(ws)
+        allowed = torch.ones(self.num_words * 32, dtype=torch.bool)
+        allowed[ws] = False
+        words = (allowed.view(self.num_words, 32).to(torch.int64) << torch.arange(32)).sum(-1)  # [num_words]
+        self._not_ws_mask = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # as int32 bits
+
+    def _compile(
+        self, params: StructuredOutputsParams
+    ) -> tuple[Any, list[int], list[int], frozenset[int] | None]:
         compiler = self._ensure_compiler()
         compiled = compiler.compile_grammar(build_grammar(params))
-        return compiled, self._marker_ids[0], self._marker_ids[1]
+        ws_ids = self._ws_ids if caps_whitespace(params) else None
+        return compiled, self._marker_ids[0], self._marker_ids[1], ws_ids
 
     def new_state(
         self, params: StructuredOutputsParams, prompt_token_ids: Sequence[int], stop_token_ids: list[int]
@@ -222,6 +255,9 @@ class StructuredOutputManager:
         else:
             for i in rows:
                 states[i].matcher.fill_next_token_bitmask(buf, i)
+        capped = [i for i in rows if states[i].whitespace_capped]
+        if capped:
+            buf[capped] &= self._not_ws_mask
         return buf
 
     def _buffer(self, n: int) -> torch.Tensor:

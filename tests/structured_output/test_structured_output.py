@@ -422,3 +422,46 @@ def test_llm_reasoning_parser_defers_the_grammar() -> None:
     a, b = llm.generate(["<think>\nx = ", "<think>\nx = "], [free, constrained], use_tqdm=False)
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
     assert b.outputs[0].text not in CHOICES
+
+
+def test_json_whitespace_runs_are_capped_per_token() -> None:
+    """Free-whitespace JSON: after MAX_JSON_WHITESPACE_TOKENS whitespace-only tokens in a row, the mask drops every
+    whitespace-only token (and nothing else) until another token comes; rollback undoes it. Compact JSON and
+    other constraints are not capped."""
+    from transformers import AutoTokenizer
+
+    from pagedllm.structured_output.grammar import MAX_JSON_WHITESPACE_TOKENS
+
+    tok = AutoTokenizer.from_pretrained(default_model())
+    manager = StructuredOutputManager(4096, lambda: tok)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    free = manager.new_state(StructuredOutputsParams(json=schema), [5], [tok.eos_token_id])
+    compact = manager.new_state(StructuredOutputsParams(json=schema, disable_any_whitespace=True), [5], [1])
+    for state in (free, compact):
+        state.wait(30)
+        assert state.ready() and state.error is None
+    vocab = tok.convert_ids_to_tokens(list(range(len(tok))))
+    texts = [tok.convert_tokens_to_string([t]) for t in vocab]
+    spaces = [i for i, t in enumerate(texts) if t and not t.strip(" \t\n\r")]
+    assert spaces
+    brace = tok.encode("{", add_special_tokens=False)
+    assert len(brace) == 1 and free.accept(brace[0]) and compact.accept(brace[0])
+
+    def allowed(state) -> set[int]:
+        row = manager.grammar_bitmask([state])[0]
+        return {i for i in range(len(tok)) if (int(row[i // 32]) >> (i % 32)) & 1}
+
+    before = allowed(free)
+    assert set(spaces) & before  # free whitespace after "{"
+    for _ in range(MAX_JSON_WHITESPACE_TOKENS - 1):
+        assert free.accept(spaces[0]) and not free.whitespace_capped
+    assert allowed(free) == before
+    assert free.accept(spaces[0]) and free.whitespace_capped
+    capped = allowed(free)
+    assert capped == before - set(spaces) and capped  # the key's quote is still allowed
+    free.rollback(1)
+    assert not free.whitespace_capped and allowed(free) == before
+    assert free.accept(spaces[0]) and free.whitespace_capped
+    quote = tok.encode('"', add_special_tokens=False)
+    assert len(quote) == 1 and free.accept(quote[0]) and not free.whitespace_capped
+    assert not compact.whitespace_capped and not set(spaces) & allowed(compact)
