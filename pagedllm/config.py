@@ -476,8 +476,6 @@ def make_engine_config(
         verify_tp_config(model_config.hf_config, tensor_parallel_size)  # ValueError naming the field
         if spec is not None:
             raise ValueError("speculative_config with tensor_parallel_size > 1 is not supported yet")
-        if lora_config is not None:
-            raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported yet")
         # The workers need step N's sampled tokens before step N+1 (see pagedllm/distributed/executor.py).
         scheduler_config.async_scheduling = False
     if spec is not None:

@@ -11,6 +11,13 @@ along with the next ``launch`` so the workers' persistent batches stay identical
 
 Scheduling is synchronous under TP (the workers need step N's tokens before step N+1). A worker that dies makes
 rank 0's next collective fail, which ends the engine core (the server then answers 503).
+
+Multi-LoRA: every rank has its own ``LoRAManager`` over its shard (pagedllm/lora/layers.py says which part of an
+adapter each layer keeps). The engine core's ``add_lora`` / ``remove_lora`` reach every rank in the same order
+(``TPLoRAManager``: rank 0 first, so a bad adapter is refused before any worker sees it; then the workers, whose
+errors come back through a gather); each ``launch`` then gives the step's adapters slots on every rank from the
+same state, so the slots and the per-token slot map agree. Each launch also carries rank 0's slot table, which a
+worker checks against its own: ranks that ever diverged fail loudly instead of mixing adapters.
 """
 
 from __future__ import annotations
@@ -68,9 +75,17 @@ def _worker_main(config: EngineConfig, rank: int, init_file: str) -> None:
             if method == "stop":
                 break
             if method == "launch":
-                sched, sampled = args
+                sched, sampled, lora_slots = args
+                _check_lora_slots(runner, rank, lora_slots)
                 runner.apply_sampled(sampled)
                 runner.launch(sched)
+            elif method in ("add_lora", "remove_lora"):
+                error = None
+                try:
+                    getattr(runner.lora_manager, method)(*args)
+                except Exception as e:  # noqa: BLE001 - reported to rank 0, which raises it
+                    error = f"{type(e).__name__}: {e}"
+                dist.gather_object(error, None, dst=0, group=control)
             elif method == "determine_num_blocks":
                 n = torch.tensor([runner.determine_num_blocks(*args)])
                 dist.all_reduce(n, op=dist.ReduceOp.MIN, group=control)
@@ -78,6 +93,45 @@ def _worker_main(config: EngineConfig, rank: int, init_file: str) -> None:
                 getattr(runner, method)(*args)
     finally:
         dist.destroy_process_group()
+
+
+def _check_lora_slots(runner: Any, rank: int, expected: list[tuple[int, int]] | None) -> None:
+    """Raise when this worker's LoRA slot table is not rank 0's (``expected``; None: LoRA is off)."""
+    if expected is None:
+        return
+    mine = runner.lora_manager.slot_table()
+    if mine != expected:
+        raise RuntimeError(
+            f"tensor-parallel rank {rank}: LoRA slots (lora_int_id, slot) {mine} differ from rank 0's {expected}"
+        )
+
+
+class TPLoRAManager:
+    """Rank 0's ``LoRAManager`` as the engine core sees it under TP (``TensorParallelRunner.lora_manager``).
+
+    ``add_lora`` / ``remove_lora`` run on rank 0, then on every worker, so all ranks' host caches and slot LRUs
+    stay equal; a worker's failure is raised here as a ``ValueError`` naming its rank. Everything else
+    (``list_loras``, ``slot_of``, ...) is rank 0's, which every rank mirrors.
+    """
+
+    def __init__(self, local: Any, tp_runner: TensorParallelRunner) -> None:
+        self._local = local
+        self._tp_runner = tp_runner
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._local, name)
+
+    def add_lora(self, lora_request: Any) -> bool:
+        """Load the adapter on every rank; rank 0 validates it first (its ``ValueError`` reaches no worker)."""
+        added = self._local.add_lora(lora_request)
+        self._tp_runner.call_workers("add_lora", lora_request)
+        return added
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        self._tp_runner.call_workers("remove_lora", lora_int_id)
+        return self._local.remove_lora(lora_int_id)
 
 
 class TensorParallelRunner:
@@ -104,6 +158,9 @@ class TensorParallelRunner:
         self.runner = ModelRunner(_rank_config(config, 0), tp=tp)
         self._sampled: dict[str, list[int]] = {}  # rank 0's last collected tokens, for the workers
         self._stopped = False
+        self._size = size
+        local_lora = self.runner.lora_manager
+        self.lora_manager = None if local_lora is None else TPLoRAManager(local_lora, self)
 
     def __getattr__(self, name: str) -> Any:
         if name == "runner":
@@ -112,6 +169,16 @@ class TensorParallelRunner:
 
     def _broadcast(self, method: str, *args: Any) -> None:
         dist.broadcast_object_list([(method, args)], src=0, group=self._control)
+
+    def call_workers(self, method: str, *args: Any) -> None:
+        """Run a worker-side call that reports back (``add_lora`` / ``remove_lora`` on each worker's LoRA
+        manager); ``ValueError`` naming the ranks where it raised."""
+        self._broadcast(method, *args)
+        errors: list[str | None] = [None] * self._size
+        dist.gather_object(None, errors, dst=0, group=self._control)
+        failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
+        if failed:
+            raise ValueError(f"{method} failed on tensor-parallel {'; '.join(failed)}")
 
     def determine_num_blocks(self, extra_block_bytes: int = 0) -> int:
         """The smallest block count any rank can hold (every rank uses the same block ids)."""
@@ -128,7 +195,8 @@ class TensorParallelRunner:
         logger.info("tensor parallel: CUDA graphs are not captured yet (eager steps)")
 
     def launch(self, sched: Any) -> Any:
-        self._broadcast("launch", sched, self._sampled)
+        lora = self.runner.lora_manager
+        self._broadcast("launch", sched, self._sampled, None if lora is None else lora.slot_table())
         self._sampled = {}
         return self.runner.launch(sched)
 

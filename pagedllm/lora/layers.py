@@ -14,6 +14,15 @@ Per layer, ``R = max_lora_rank`` and ``S`` output slices (q/k/v: 3, gate/up: 2, 
     y = base(x);  y[t, slice s] += (x[t] @ lora_a[slot[t], s*R:(s+1)*R].T) @ lora_b[slot[t], slice s].T
 
 Tokens with slot -1 get the base output only.
+
+Under tensor parallelism (vLLM's layout) each rank holds the part of every adapter that its shard of the base
+weight needs; adapters arrive whole (``set_slot``) and are cut here::
+
+    column-parallel (qkv, gate_up):  x replicated   lora_a: whole A          lora_b: per slice, this rank's rows
+    row-parallel (o, down):          x split        lora_a: this rank's cols  lora_b: whole B
+
+A row-parallel rank adds ``x_r @ A_r.T @ B.T`` to its partial output before the layer's all-reduce, so the sum
+over ranks is ``x @ A.T @ B.T``; ``in`` / ``out`` above are this rank's sizes.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pagedllm.layers.linear import Linear, LinearMethod
+from pagedllm.layers.linear import ColumnParallelLinear, Linear, LinearMethod, RowParallelLinear
 from pagedllm.platform import use_fused_kernels
 
 # pagedllm layer names LoRA can be applied to (the fused ones take per-shard adapters).
@@ -131,6 +140,19 @@ class LoRALinearMethod(LinearMethod):
         self.max_lora_rank = max_lora_rank
         self.input_size = layer.input_size
         self.output_sizes = list(layer.output_sizes)  # [S]
+        # Where this rank's part sits in the whole layer (what an adapter file describes): input columns
+        # [input_start, input_start + input_size) of full_input_size; per slice s, output rows
+        # [output_starts[s], output_starts[s] + output_sizes[s]) of full_output_sizes[s].
+        self.full_input_size = layer.input_size
+        self.input_start = 0
+        if isinstance(layer, RowParallelLinear):
+            self.full_input_size = layer.full_input_size
+            self.input_start = layer.tp.rank * layer.input_size
+        self.full_output_sizes = list(self.output_sizes)  # [S]
+        self.output_starts = [0] * len(self.output_sizes)  # [S]
+        if isinstance(layer, ColumnParallelLinear):
+            self.full_output_sizes = list(layer.full_output_sizes)
+            self.output_starts = list(layer.shard_slice_starts)
         self.slice_offsets = [*layer.shard_offsets, layer.output_size]  # [S + 1]
         num_slices = len(self.output_sizes)
         self.lora_a = torch.zeros(
@@ -190,8 +212,9 @@ class LoRALinearMethod(LinearMethod):
         self.lora_b[slot].zero_()
 
     def set_slot(self, slot: int, slices: Sequence[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
-        """Write one adapter into ``slot``: per output slice, ``(A [r, in], scaling * B [out_s, r])`` or None
-        (that slice untouched by the adapter). Ranks up to ``max_lora_rank``; the rest is zero."""
+        """Write one adapter into ``slot``: per output slice, the whole layer's ``(A [r, full_input_size],
+        scaling * B [full_output_sizes[s], r])`` or None (that slice untouched by the adapter); this rank keeps
+        its columns of A and its rows of B. Ranks up to ``max_lora_rank``; the rest is zero."""
         if len(slices) != len(self.output_sizes):
             raise ValueError(f"{len(slices)} slices for a layer with {len(self.output_sizes)}")
         self.clear_slot(slot)
@@ -201,14 +224,17 @@ class LoRALinearMethod(LinearMethod):
                 continue
             a, b = pair
             r = a.shape[0]
-            lo, hi = self.slice_offsets[s], self.slice_offsets[s + 1]
-            if r > r_max or a.shape != (r, self.input_size) or b.shape != (hi - lo, r):
+            full_out = self.full_output_sizes[s]
+            if r > r_max or a.shape != (r, self.full_input_size) or b.shape != (full_out, r):
                 raise ValueError(
                     f"slice {s}: A {tuple(a.shape)}, B {tuple(b.shape)} do not fit rank <= {r_max}, "
-                    f"in {self.input_size}, out {hi - lo}"
+                    f"in {self.full_input_size}, out {full_out}"
                 )
-            self.lora_a[slot, s * r_max : s * r_max + r].copy_(a)
-            self.lora_b[slot, lo:hi, :r].copy_(b)
+            lo, hi = self.slice_offsets[s], self.slice_offsets[s + 1]
+            a_local = a.narrow(1, self.input_start, self.input_size)  # [r, in]
+            b_local = b.narrow(0, self.output_starts[s], hi - lo)  # [out_s, r]
+            self.lora_a[slot, s * r_max : s * r_max + r].copy_(a_local)
+            self.lora_b[slot, lo:hi, :r].copy_(b_local)
 
 
 def lora_layers(model: nn.Module) -> dict[str, Linear]:

@@ -62,8 +62,9 @@ class LoRAManager:
         )
         self.dtype = next(iter(self.layers.values())).lora_a.dtype
         self.packed_modules_mapping = dict(getattr(model, "packed_modules_mapping", {}) or {})
+        # adapters are checked against the whole model's sizes; each LoRA layer keeps its TP rank's part
         self.layer_shapes = {
-            name: LayerShape(m.input_size, tuple(m.output_sizes)) for name, m in self.layers.items()
+            name: LayerShape(m.full_input_size, tuple(m.full_output_sizes)) for name, m in self.layers.items()
         }
         self._cpu_cache: OrderedDict[int, LoRAModel] = OrderedDict()  # lora_int_id -> adapter, LRU first
         self._requests: dict[int, LoRARequest] = {}  # lora_int_id -> request it was loaded from
@@ -118,6 +119,11 @@ class LoRAManager:
     def slot_of(self, lora_int_id: int) -> int | None:
         """The slot an adapter occupies now, or None (no side effects)."""
         return self._slot_of.get(lora_int_id)
+
+    def slot_table(self) -> list[tuple[int, int]]:
+        """``(lora_int_id, slot)`` of every adapter in a slot, least recently used first (no side effects).
+        Tensor-parallel ranks compare theirs with rank 0's: equal tables mean equal slot choices to come."""
+        return list(self._slot_of.items())
 
     # -- slots ----------------------------------------------------------------------------------------------
 

@@ -89,7 +89,6 @@ def test_tp2_chunks_prefix_hits_preemption_n_and_logprobs(tiny_llama):
             },
             "speculative_config",
         ),
-        ({"tensor_parallel_size": 2, "enable_lora": True}, "enable_lora"),
     ],
 )
 def test_bad_parallel_configs_fail_at_startup(tiny_llama, kw, field):

@@ -105,8 +105,8 @@ def test_new_engine_flags_reach_the_engine_config(tiny_llama):
          "--enable-lora", "--max-loras", "3", "--max-lora-rank", "32"]
     )  # fmt: skip
     kw = engine_kwargs_from_args(args)
-    with pytest.raises(ValueError, match="enable_lora"):  # LoRA under TP is refused at start-up
-        make_engine_config(tiny_llama, **kw)
+    both = make_engine_config(tiny_llama, **kw)  # LoRA composes with TP
+    assert both.lora_config.max_loras == 3 and both.parallel_config.tensor_parallel_size == 2
     kw.update(enable_lora=False, tensor_parallel_size=1)
     config = make_engine_config(tiny_llama, **kw)
     assert config.model_config.quantization == "fp8"
