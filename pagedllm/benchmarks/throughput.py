@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -61,6 +62,7 @@ class ThroughputResult:
     num_output_tokens: int
     structured_outputs: str | None = None  # "json schema NAME" when every request was constrained, else None
     spec_decode: str | None = None  # the speculative-decoding summary (mean acceptance length, ...), if any
+    lora: str | None = None  # "N adapters over the requests" when --lora-path was given
 
 
 def load_json_schema(value: str) -> tuple[str, dict]:
@@ -134,6 +136,18 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "output length completes), a path to a .json file, or the schema's JSON text",
     )
     parser.add_argument(
+        "--lora-path",
+        default=None,
+        help="a LoRA adapter directory (needs --enable-lora); as in vLLM's benchmark, each request gets one of "
+        "--num-loras adapter ids at random (seeded), all loaded from this path",
+    )
+    parser.add_argument(
+        "--num-loras",
+        type=int,
+        default=None,
+        help="distinct adapter ids spread over the requests with --lora-path (default: --max-loras)",
+    )
+    parser.add_argument(
         "--profile-steps",
         action="store_true",
         help="after the timed run, a profiled pass: host ms per phase, GPU busy",
@@ -171,6 +185,7 @@ def run_pagedllm_outputs(args: argparse.Namespace, temperature: float) -> tuple[
     if getattr(args, "json_schema", None) is not None:
         schema_name, schema = load_json_schema(args.json_schema)
         structured = StructuredOutputsParams(json=schema)
+    loras = lora_requests(args, len(reqs))
     params = [
         SamplingParams(
             temperature=temperature,
@@ -182,10 +197,10 @@ def run_pagedllm_outputs(args: argparse.Namespace, temperature: float) -> tuple[
         for r in reqs
     ]
     # Warm-up (kernel compilation, allocator, the grammar's compilation) outside the timer.
-    llm.generate(prompts[:2], params[:2], use_tqdm=False)
+    llm.generate(prompts[:2], params[:2], lora_request=None if loras is None else loras[:2], use_tqdm=False)
     stats_before = llm.llm_engine.get_stats()
     start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=True)
+    outs = llm.generate(prompts, params, lora_request=loras, use_tqdm=True)
     elapsed = time.perf_counter() - start
     from pagedllm.metrics import spec_decode_summary
 
@@ -199,13 +214,32 @@ def run_pagedllm_outputs(args: argparse.Namespace, temperature: float) -> tuple[
         from pagedllm.benchmarks.step_profile import StepProfiler, format_report
 
         profiler = StepProfiler(llm.llm_engine)  # a second, untimed pass over the same requests
-        llm.generate(prompts, params, use_tqdm=False)
+        llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
         print(format_report(profiler.stop()))
     result = _result("pagedllm", len(reqs), elapsed, n_in, n_out)
     if schema_name is not None:
         result.structured_outputs = f"json schema {schema_name}"
     result.spec_decode = spec
+    if loras is not None:
+        result.lora = f"{len({r.lora_int_id for r in loras})} LoRA adapters over the requests"
     return result, outs
+
+
+def lora_requests(args: argparse.Namespace, n: int) -> list | None:
+    """One ``LoRARequest`` per request (ids 1..num_loras at random, seeded) with ``--lora-path``, else None."""
+    path = getattr(args, "lora_path", None)
+    if path is None:
+        return None
+    if not getattr(args, "enable_lora", False):
+        raise ValueError("--lora-path needs --enable-lora")
+    num = args.num_loras if args.num_loras is not None else args.max_loras
+    if num < 1:
+        raise ValueError(f"--num-loras must be >= 1, got {num}")
+    from pagedllm.lora.request import LoRARequest
+
+    rng = random.Random(args.seed)
+    ids = [rng.randint(1, num) for _ in range(n)]
+    return [LoRARequest(f"lora{i}", i, path) for i in ids]
 
 
 def _warn_short_outputs(reqs: list[SampleRequest], outs: list) -> None:
@@ -296,8 +330,11 @@ def main(args: argparse.Namespace) -> int:
     if args.backend == "hf" and getattr(args, "json_schema", None) is not None:
         print("error: --json-schema needs --backend pagedllm", file=sys.stderr)
         return 2
+    if getattr(args, "lora_path", None) is not None and (args.backend == "hf" or not args.enable_lora):
+        print("error: --lora-path needs --backend pagedllm and --enable-lora", file=sys.stderr)
+        return 2
     result = run_hf(args, temperature) if args.backend == "hf" else run_pagedllm(args, temperature)
-    what = result.backend + (f", {result.structured_outputs}" if result.structured_outputs else "")
+    what = result.backend + "".join(f", {x}" for x in (result.structured_outputs, result.lora) if x)
     print(
         f"Throughput ({what}): {result.requests_per_s:.2f} requests/s, "
         f"{result.total_tokens_per_s:.2f} total tokens/s, {result.output_tokens_per_s:.2f} output tokens/s "
