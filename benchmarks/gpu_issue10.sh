@@ -76,6 +76,13 @@ if [ "${1:-}" = profile ]; then  # where a constrained step's time goes: step pr
     --json-schema default 2>&1 | grep -A30 "Ordered by" | cut -c1-150
   exit 0
 fi
+# An untimed warm-up of both (Triton's JIT for the shapes a full run meets) so that run 1 is not a cold run.
+if [ "${WARMUP:-1}" = 1 ]; then
+  for flag in "" "--json-schema default"; do
+    timeout 150 $py -m pagedllm.benchmarks.throughput --model $Q $common --num-prompts 256 --input-len 256 \
+      --output-len 64 $flag 2>&1 | grep -E "^Throughput" | sed 's/^/    warm-up: /'
+  done
+fi
 for i in $(seq 1 "${RUNS:-2}"); do
   for so in plain json; do
     flag=""; [ $so = json ] && flag="--json-schema default"
