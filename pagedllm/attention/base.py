@@ -21,6 +21,12 @@ Per-layer options of ``AttentionBackend.forward`` (fixed when the model is built
   work exactly as without a window, at the cost of memory a window-aware allocator could give back.
 * ``logits_soft_cap`` c: the scaled scores ``s`` become ``c * tanh(s / c)`` before masking and the softmax
   (Gemma 2).
+* ``sinks`` (``[num_heads]`` tensor, this rank's heads; GPT-OSS): one learned logit ``s_h`` per query head that
+  joins that head's softmax denominator and carries no value: ``out = sum_k exp(l_k) v_k / (exp(s_h) +
+  sum_k exp(l_k))`` over the visible keys' scaled (and soft-capped) scores ``l_k``. The sink itself is neither
+  scaled, capped nor masked, so every query row gives it weight, whatever the window; the row's attention
+  weights then sum to less than one. Read in float32 whatever its dtype; the layer that owns it (a weight from
+  the checkpoint) passes the same tensor every call.
 * ``k_scale`` / ``v_scale`` (FP8 KV cache, ``kv_cache_dtype="fp8"``): when ``kv_cache`` is ``float8_e4m3fn``
   the backend writes ``e4m3(clamp(k / k_scale, -448, 448))`` (values likewise) and reads ``k_fp8 * k_scale``;
   per-tensor, one pair per layer, from the checkpoint when it has them (else 1.0, vLLM's default). Ignored for
@@ -67,6 +73,7 @@ class AttentionBackend(Protocol):
         logits_soft_cap: float | None = None,  # see the module docstring; None = no capping
         k_scale: float = 1.0,  # FP8 cache only: stored key = key / k_scale (see the module docstring)
         v_scale: float = 1.0,  # FP8 cache only: stored value = value / v_scale
+        sinks: torch.Tensor | None = None,  # [num_heads]; see the module docstring; None = no sinks
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
 

@@ -2,7 +2,7 @@
 
 Written for clarity first: one loop over requests (driven by host-side lengths), each request's context
 gathered through its block table, then a masked SDPA in float32. See ``base.py`` for the cache layout, and for
-what ``sliding_window`` and ``logits_soft_cap`` mean.
+what ``sliding_window``, ``logits_soft_cap`` and ``sinks`` mean.
 """
 
 from __future__ import annotations
@@ -64,11 +64,14 @@ def _attend(
     mask: torch.Tensor | None,  # bool, broadcastable to [B, num_heads, query_len, key_len]; True = attend
     scale: float,
     logits_soft_cap: float | None,
+    sinks: torch.Tensor | None = None,  # [num_heads]: one extra logit per head in the softmax denominator
 ) -> torch.Tensor:  # [B, num_heads, query_len, head_dim]
     """Softmax attention; with ``logits_soft_cap`` the scores become ``cap * tanh(scores / cap)`` before the
-    mask and the softmax (SDPA cannot do that, so that case is computed by hand). Every row must see a key."""
+    mask and the softmax; with ``sinks`` each head's softmax also runs over its sink logit, whose value is zero
+    (the attention weights sum to less than one). SDPA can do neither, so those cases are computed by hand.
+    Every row must see a key."""
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
-    if logits_soft_cap is None:
+    if logits_soft_cap is None and sinks is None:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads
         )
@@ -76,10 +79,16 @@ def _attend(
         k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)  # [B, num_heads, key_len, head_dim]
         v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)  # [B, num_heads, key_len, head_dim]
     scores = q @ k.transpose(-1, -2) * scale  # [B, num_heads, query_len, key_len]
-    scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
+    if logits_soft_cap is not None:
+        scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.softmax(scores, dim=-1) @ v
+    if sinks is None:
+        return torch.softmax(scores, dim=-1) @ v
+    batch, _, query_len, _ = scores.shape
+    sink = sinks.to(scores.dtype).view(1, num_heads, 1, 1).expand(batch, num_heads, query_len, 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)  # [B, num_heads, query_len, key_len + 1]
+    return probs[..., :-1] @ v  # the sink takes its share of the weight and contributes no value
 
 
 def _paged_attention(
@@ -94,6 +103,7 @@ def _paged_attention(
     logits_soft_cap: float | None = None,
     k_scale: float = 1.0,  # FP8 cache: keys read as k_fp8 * k_scale (ignored otherwise)
     v_scale: float = 1.0,
+    sinks: torch.Tensor | None = None,  # [num_heads]
 ) -> torch.Tensor:  # [T, num_heads, head_dim]; rows past query_start_loc[-1] (padding) are zero
     num_heads = query.shape[1]
     block_size, num_kv_heads, head_dim = key_cache.shape[1:]
@@ -101,12 +111,14 @@ def _paged_attention(
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     group = num_heads // num_kv_heads
     acc_dtype = torch.promote_types(query.dtype, torch.float32)  # float32, or float64 when given float64
+    if sinks is not None and sinks.shape != (num_heads,):
+        raise ValueError(f"sinks must be [num_heads] = [{num_heads}], got {tuple(sinks.shape)}")
     out = torch.zeros_like(query)  # [T, num_heads, head_dim]
     decodes = [r for r, s in enumerate(seq_lens) if query_start_loc[r + 1] - query_start_loc[r] == 1]
     if len(decodes) > 1:
         _decode_batched(
             query, key_cache, value_cache, block_table, seq_lens, query_start_loc, decodes, scale, out,
-            sliding_window, logits_soft_cap, k_scale, v_scale,
+            sliding_window, logits_soft_cap, k_scale, v_scale, sinks,
         )  # fmt: skip
     decode_set = set(decodes) if len(decodes) > 1 else set()
     for r, seq_len in enumerate(seq_lens):
@@ -141,7 +153,7 @@ def _paged_attention(
             mask = k_pos[None, :] <= q_pos[:, None]  # [query_len, L], True = attend
             if sliding_window is not None:
                 mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
-        o = _attend(q[None], k[None], v[None], mask, scale, logits_soft_cap)[0]  # [num_heads, query_len, hd]
+        o = _attend(q[None], k[None], v[None], mask, scale, logits_soft_cap, sinks)[0]  # [heads, q_len, hd]
         out[q_start:q_end] = o.transpose(0, 1).to(out.dtype)
     return out
 
@@ -160,6 +172,7 @@ def _decode_batched(
     logits_soft_cap: float | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sinks: torch.Tensor | None = None,  # [num_heads]
 ) -> None:
     """All one-token queries in one padded SDPA call (the CPU decode path): keys past a request's length masked
     (and, with a window W, keys at positions <= len - 1 - W)."""
@@ -191,7 +204,7 @@ def _decode_batched(
     v = v.masked_fill(~mask[:, :, None, None], 0.0).transpose(1, 2)  # [R, num_kv_heads, L, head_dim]
     q = query[tokens].to(acc_dtype).unsqueeze(2)  # [R, num_heads, 1, head_dim]
     # GQA without copying keys per query head: query head h reads kv head h // (num_heads // num_kv_heads).
-    o = _attend(q, k, v, mask[:, None, None, :], scale, logits_soft_cap)  # [R, num_heads, 1, head_dim]
+    o = _attend(q, k, v, mask[:, None, None, :], scale, logits_soft_cap, sinks)  # [R, num_heads, 1, head_dim]
     out[tokens] = o.squeeze(2).to(out.dtype)
 
 
@@ -207,6 +220,7 @@ def paged_attention_ref(
     logits_soft_cap: float | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sinks: torch.Tensor | None = None,  # [num_heads]
 ) -> torch.Tensor:  # [T, num_heads, head_dim], query dtype
     """Causal attention of each request's query tokens over its paged context; does not write the cache.
 
@@ -215,7 +229,9 @@ def paged_attention_ref(
     offset ``p % block_size``. Its query row ``i`` sits at position ``seq_lens[r] - query_len + i`` and
     attends to keys at positions ``<=`` that and, given ``sliding_window`` W, ``> position - W`` (W keys,
     itself included: transformers' convention). Given ``logits_soft_cap`` c, the scaled scores become
-    ``c * tanh(scores / c)`` before masking and softmax. Computed in float32 (float64 for float64 inputs).
+    ``c * tanh(scores / c)`` before masking and softmax. Given ``sinks`` (``[num_heads]``), head h's softmax
+    denominator also holds ``exp(sinks[h])`` (a logit with no value). Computed in float32 (float64 for float64
+    inputs).
     GQA: query head ``h`` uses kv head ``h // (num_heads // num_kv_heads)``. Rows past
     ``query_start_loc[-1]`` (padding) are zero. Host-syncs on ``seq_lens``/``query_start_loc`` (test oracle).
     An FP8 (``float8_e4m3fn``) cache is read as ``k_fp8 * k_scale`` / ``v_fp8 * v_scale`` in float32: exactly
@@ -233,6 +249,7 @@ def paged_attention_ref(
         logits_soft_cap,
         k_scale,
         v_scale,
+        sinks,
     )
 
 
@@ -253,6 +270,7 @@ class TorchAttentionBackend:
         logits_soft_cap: float | None = None,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         write_kv_cache_ref(key, value, kv_cache, metadata.slot_mapping, k_scale, v_scale)
         return _paged_attention(
@@ -267,4 +285,5 @@ class TorchAttentionBackend:
             logits_soft_cap,
             k_scale,
             v_scale,
+            sinks,
         )

@@ -29,6 +29,7 @@ class TritonAttentionBackend:
         logits_soft_cap: float | None = None,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        sinks: torch.Tensor | None = None,  # [num_heads]
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; padding rows (past metadata.num_tokens) zero
         reshape_and_cache(key, value, kv_cache, metadata.slot_mapping, k_scale, v_scale)
         out = paged_attention(
@@ -45,6 +46,7 @@ class TritonAttentionBackend:
             logits_soft_cap=logits_soft_cap,
             k_scale=k_scale,
             v_scale=v_scale,
+            sinks=sinks,
         )
         if query.shape[0] > metadata.num_tokens:
             out[metadata.num_tokens :].zero_()  # the kernel leaves padding rows unwritten

@@ -1,7 +1,8 @@
 """Model directories with a real model's shape and no weights, for `--load-format dummy` benchmarks.
 
-``python -m pagedllm.benchmarks.shapes OUT_DIR`` writes ``OUT_DIR/llama-3.1-8b`` and ``OUT_DIR/qwen3-0.6b``:
-the architecture's config.json and a small stand-in tokenizer (benchmarks send token ids and skip detokenizing).
+``python -m pagedllm.benchmarks.shapes OUT_DIR`` writes ``OUT_DIR/<name>`` for every entry of ``SHAPES``
+(llama-3.1-8b, qwen3-0.6b, qwen3-30b-a3b, deepseek-v2-lite): the architecture's config.json and a small stand-in
+tokenizer (benchmarks send token ids and skip detokenizing).
 """
 
 from __future__ import annotations
@@ -55,6 +56,80 @@ SHAPES: dict[str, dict] = {
         "attention_bias": False,
         "bos_token_id": 151643,
         "eos_token_id": 151645,
+        "torch_dtype": "bfloat16",
+    },
+    # MoE: 128 experts of 768, 8 per token, on every layer; Qwen3 attention (32 / 4 heads of 128).
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "torch_dtype": "bfloat16",
+    },
+    # MLA (cache row: 512 latent + 64 rope values per token and layer), 64 routed experts of 1408, 6 per token, plus
+    # 2 shared; layer 0 dense (10944); YaRN x40 over a 4096-token original context.
+    "deepseek-v2-lite": {
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v2",
+        "hidden_size": 2048,
+        "intermediate_size": 10944,
+        "moe_intermediate_size": 1408,
+        "num_hidden_layers": 27,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "q_lora_rank": None,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "n_routed_experts": 64,
+        "num_experts_per_tok": 6,
+        "n_shared_experts": 2,
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "topk_method": "greedy",
+        "norm_topk_prob": False,
+        "routed_scaling_factor": 1.0,
+        "scoring_func": "softmax",
+        "vocab_size": 102400,
+        "max_position_embeddings": 163840,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 40,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+            "original_max_position_embeddings": 4096,
+        },
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "bos_token_id": 100000,
+        "eos_token_id": 100001,
         "torch_dtype": "bfloat16",
     },
 }

@@ -6,10 +6,22 @@ Assignments are sorted by expert and each expert's run is padded to a multiple o
 program per (row block, N tile): it gathers its rows of the input, multiplies by that expert's weight and
 scatters the result back to the assignments' rows (padding rows are skipped):
 
-    1. ``h[a] = x[a // top_k] @ w13[e].T``            ``[A, 2 * inter]``  (gate | up)
-    2. ``g[a] = silu(h[a, :inter]) * h[a, inter:]``   ``[A, inter]``
-    3. ``y[a] = weight[a] * (g[a] @ w2[e].T)``        ``[A, hidden]``
-    4. ``out[t] = sum_k y[t * top_k + k]``            ``[T, hidden]``
+    1. ``h[a] = x[a // top_k] @ w13[e].T (+ b13[e])``            ``[A, 2 * inter]``  (gate | up)
+    2. ``g[a] = act(h[a, :inter], h[a, inter:])``                ``[A, inter]``
+    3. ``y[a] = weight[a] * (g[a] @ w2[e].T (+ b2[e]))``         ``[A, hidden]``
+    4. ``out[t] = sum_k y[t * top_k + k]``                       ``[T, hidden]``
+
+Options (both the kernel path and the twin): expert biases ``w13_bias: [E, 2 * inter]`` (gate | up) and
+``w2_bias: [E, hidden]``, added to the float32 accumulator before rounding (and before the router weight); and
+the activation ``act``:
+
+* ``"silu"``: ``silu(gate) * up`` (Mixtral, Qwen-MoE);
+* ``"swigluoai"`` (GPT-OSS's clamped SwiGLU, parameters ``alpha`` and ``limit``)::
+
+      gate = min(gate, limit);  up = clamp(up, -limit, limit)
+      act  = (up + 1) * gate * sigmoid(alpha * gate)
+
+  (on the kernel path one Triton elementwise kernel in float32, rounded once; the twin in PyTorch ops).
 
 Accumulation is float32, results are rounded to the input dtype after each GEMM (as the twin does).
 """
@@ -64,6 +76,7 @@ if triton is not None:
         sorted_ids_ptr,  # [num_blocks * BLOCK_M] int32
         block_expert_ptr,  # [num_blocks] int32
         scale_ptr,  # [A] float32 (router weights), read when MUL_SCALE
+        bias_ptr,  # [E, N] (this GEMM's expert biases), read when HAS_BIAS
         num_assign,
         N,
         K,
@@ -71,8 +84,10 @@ if triton is not None:
         stride_we,
         stride_wn,
         stride_cm,
+        stride_be,
         A_DIV: tl.constexpr,  # top_k for the first GEMM (rows are tokens), 1 for the second
         MUL_SCALE: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -97,6 +112,9 @@ if triton is not None:
             acc = tl.dot(a, w, acc, input_precision="ieee")
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + expert * stride_be + offs_n, mask=n_mask, other=0.0)
+            acc += bias.to(tl.float32)[None, :]
         if MUL_SCALE:
             scale = tl.load(scale_ptr + tl.where(valid, ids, 0), mask=valid, other=0.0)
             # the twin rounds the GEMM to the output dtype before weighting it
@@ -114,10 +132,14 @@ def _moe_gemm(
     a_div: int,
     scale: torch.Tensor | None,  # [A] float32
     block_m: int,
+    bias: torch.Tensor | None = None,  # [E, N]
 ) -> torch.Tensor:  # [A, N]
     num_experts, n, k = w.shape
     assert a.dim() == 2 and a.shape[1] == k and a.stride(1) == 1, f"a {tuple(a.shape)} vs w {tuple(w.shape)}"
     assert w.stride(2) == 1, "expert weights must be contiguous along K"
+    assert bias is None or (bias.shape == (num_experts, n) and bias.stride(1) == 1), (
+        f"bias {tuple(bias.shape)} vs w {tuple(w.shape)}"
+    )
     c = torch.empty((num_assign, n), dtype=a.dtype, device=a.device)
     num_blocks = block_expert.numel()
     if num_blocks == 0:
@@ -132,6 +154,7 @@ def _moe_gemm(
         sorted_ids,
         block_expert,
         scale if scale is not None else c,
+        bias if bias is not None else c,
         num_assign,
         n,
         k,
@@ -139,14 +162,19 @@ def _moe_gemm(
         w.stride(0),
         w.stride(1),
         c.stride(0),
+        bias.stride(0) if bias is not None else 0,
         A_DIV=a_div,
         MUL_SCALE=scale is not None,
+        HAS_BIAS=bias is not None,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         num_warps=4,
     )
     return c
+
+
+MOE_ACTIVATIONS = ("silu", "swigluoai")
 
 
 def fused_experts(
@@ -156,13 +184,19 @@ def fused_experts(
     topk_weights: torch.Tensor,  # [T, top_k] float32
     topk_ids: torch.Tensor,  # [T, top_k] int
     block_m: int = 16,
+    w13_bias: torch.Tensor | None = None,  # [E, 2 * inter]
+    w2_bias: torch.Tensor | None = None,  # [E, hidden]
+    activation: str = "silu",
+    swiglu_alpha: float = 1.702,  # "swigluoai" only
+    swiglu_limit: float = 7.0,  # "swigluoai" only
 ) -> torch.Tensor:  # [T, hidden]
-    """The MoE MLP through the Triton grouped GEMM (SiLU-GLU experts); see the module docstring."""
+    """The MoE MLP through the Triton grouped GEMM; see the module docstring for the biases and activations."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     assert w13.shape[2] == hidden and w2.shape == (num_experts, hidden, two_inter // 2), (
         f"x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}"
     )
+    assert activation in MOE_ACTIVATIONS, f"activation {activation!r} not in {MOE_ACTIVATIONS}"
     assert topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == num_tokens
     top_k = topk_ids.shape[1]
     if num_tokens == 0:
@@ -170,11 +204,59 @@ def fused_experts(
     x = x.contiguous()
     num_assign = num_tokens * top_k
     sorted_ids, block_expert = moe_align(topk_ids, num_experts, block_m)
-    h = _moe_gemm(x, w13, sorted_ids, block_expert, num_assign, top_k, None, block_m)  # [A, 2 * inter]
-    g = _silu_and_mul(h)  # [A, inter]
+    h = _moe_gemm(x, w13, sorted_ids, block_expert, num_assign, top_k, None, block_m, w13_bias)  # [A, 2 * I]
+    if activation == "swigluoai":
+        g = swiglu_oai(h, swiglu_alpha, swiglu_limit)  # [A, inter]
+    else:
+        g = _silu_and_mul(h)  # [A, inter]
     scale = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    y = _moe_gemm(g, w2, sorted_ids, block_expert, num_assign, 1, scale, block_m)  # [A, hidden]
+    y = _moe_gemm(g, w2, sorted_ids, block_expert, num_assign, 1, scale, block_m, w2_bias)  # [A, hidden]
     return y.view(num_tokens, top_k, hidden).sum(dim=1)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _swiglu_oai_kernel(
+        h_ptr,  # [rows, 2 * inter]: gate | up
+        out_ptr,  # [rows, inter]
+        stride_h,
+        stride_o,
+        inter,
+        alpha,
+        limit,
+        BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < inter
+        gate = tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(h_ptr + row * stride_h + inter + cols, mask=mask, other=0.0).to(tl.float32)
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        glu = gate / (1.0 + tl.exp(-alpha * gate))  # gate * sigmoid(alpha * gate)
+        tl.store(out_ptr + row * stride_o + cols, ((up + 1.0) * glu).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def swiglu_oai(h: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:  # [rows, 2 * I] -> [rows, I]
+    """GPT-OSS's clamped SwiGLU over ``[gate | up]`` rows (Triton; float32 inside, rounded once)."""
+    assert h.dim() == 2 and h.shape[1] % 2 == 0 and h.stride(1) == 1, f"h {tuple(h.shape)}"
+    rows, inter = h.shape[0], h.shape[1] // 2
+    out = torch.empty((rows, inter), dtype=h.dtype, device=h.device)
+    if rows == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(inter))
+    _swiglu_oai_kernel[(rows, triton.cdiv(inter, block))](
+        h, out, h.stride(0), out.stride(0), inter, float(alpha), float(limit), BLOCK=block, num_warps=4
+    )
+    return out
+
+
+def swiglu_oai_ref(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """PyTorch twin of :func:`swiglu_oai` on split halves, op for op as transformers' ``GptOssExperts``."""
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 def _silu_and_mul(h: torch.Tensor) -> torch.Tensor:
@@ -192,9 +274,16 @@ def fused_experts_ref(
     w2: torch.Tensor,  # [E, hidden, inter]
     topk_weights: torch.Tensor,  # [T, top_k] float32 or x.dtype
     topk_ids: torch.Tensor,  # [T, top_k] int
+    w13_bias: torch.Tensor | None = None,  # [E, 2 * inter]
+    w2_bias: torch.Tensor | None = None,  # [E, hidden]
+    activation: str = "silu",
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float = 7.0,
 ) -> torch.Tensor:  # [T, hidden]
-    """PyTorch twin of :func:`fused_experts`: sort the assignments by expert, run each expert's SiLU-GLU MLP on
+    """PyTorch twin of :func:`fused_experts`: sort the assignments by expert, run each expert's gated MLP on
     its rows, weight them, sum each token's ``top_k`` rows."""
+    if activation not in MOE_ACTIVATIONS:
+        raise ValueError(f"unsupported MoE activation {activation!r}; supported: {MOE_ACTIVATIONS}")
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     inter = w13.shape[1] // 2
@@ -209,7 +298,12 @@ def fused_experts_ref(
             continue
         ids = order[start : start + count]  # this expert's assignments
         start += count
-        h = F.linear(x[ids // top_k], w13[expert])  # [n, 2 * inter]
-        g = F.silu(h[:, :inter]) * h[:, inter:]
-        y[ids] = (F.linear(g, w2[expert]) * scale[ids, None]).to(x.dtype)
+        b13 = None if w13_bias is None else w13_bias[expert]
+        b2 = None if w2_bias is None else w2_bias[expert]
+        h = F.linear(x[ids // top_k], w13[expert], b13)  # [n, 2 * inter]
+        if activation == "swigluoai":
+            g = swiglu_oai_ref(h[:, :inter], h[:, inter:], swiglu_alpha, swiglu_limit)
+        else:
+            g = F.silu(h[:, :inter]) * h[:, inter:]
+        y[ids] = (F.linear(g, w2[expert], b2) * scale[ids, None]).to(x.dtype)
     return y.view(num_tokens, top_k, hidden).sum(dim=1)

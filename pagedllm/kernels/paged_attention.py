@@ -35,6 +35,12 @@ the kernel is the plain causal one. Split-K divides the walked tiles only. The s
 ``s`` into ``cap * tanh(s / cap)`` on every tile (masked or not), before the mask. Blocks behind the window are
 still allocated and listed in the block table; the kernel just does not read them.
 
+Attention sinks (per layer, ``[num_heads]``; see ``pagedllm/attention/base.py``). The sink is a key every row sees,
+with logit ``sinks[h]`` and a zero value, so it only adds ``exp(sinks[h])`` to the softmax denominator. The kernel
+starts each row's online softmax from it instead of from nothing: running max ``sinks[h] * log2(e)`` and running
+sum 1 (``acc`` stays 0). Split-K: only split 0 starts from the sink (the others from -1e30 and 0), so the merge
+counts it once, unchanged. Prefill, chunked prefill and decode tiles all go through that one initialisation.
+
 FP8 KV cache (``float8_e4m3fn``, per-tensor ``k_scale`` / ``v_scale``; see ``pagedllm/attention/base.py``). Each
 K/V tile is loaded as fp8 (half the bytes of bf16) and converted in registers to the query's dtype (exact: every
 e4m3 value is a bf16/fp16/fp32 value); the scales never touch the tiles: ``k_scale`` is folded into the score
@@ -155,6 +161,7 @@ def _paged_attention_kernel(
     block_table_ptr,  # [num_reqs, max_blocks_per_req] int32
     seq_lens_ptr,  # [num_reqs] int32
     query_start_loc_ptr,  # [num_reqs + 1] int32
+    sinks_ptr,  # [num_heads] with SINKS (any float dtype; else unused)
     num_reqs,
     part_ml_stride,  # num_tokens * num_heads * NUM_SPLITS
     qk_scale,  # softmax scale * log2(e); with SOFT_CAP: softmax scale / cap (times k_scale with KV_FP8)
@@ -184,6 +191,7 @@ def _paged_attention_kernel(
     SLIDING: tl.constexpr,  # keys at or behind q_pos - window are invisible
     SOFT_CAP: tl.constexpr,  # tanh soft-cap on the scores
     KV_FP8: tl.constexpr,  # float8_e4m3fn cache: scale the accumulator by v_scale
+    SINKS: tl.constexpr,  # one extra logit per head in the softmax denominator (no value)
 ):
     kv_head = tl.program_id(0)
     tile_id = tl.program_id(1)
@@ -252,6 +260,10 @@ def _paged_attention_kernel(
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: keeps fully masked rows NaN-free
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if SINKS:  # the sink as the first key seen: max = its logit (log2 units), sum = exp2(0); split 0 only
+        sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_i = tl.where(split == 0, sink, m_i)
+        l_i = tl.where(split == 0, 1.0, l_i)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     block_table_row = block_table_ptr + req.to(tl.int64) * stride_bt
     kv_head_off = kv_head * stride_ch
@@ -372,6 +384,7 @@ def paged_attention(
     logits_soft_cap: float | None = None,  # c: scores -> c * tanh(scores / c) before the softmax
     k_scale: float = 1.0,  # float8_e4m3fn cache only: keys read as k_fp8 * k_scale
     v_scale: float = 1.0,  # float8_e4m3fn cache only: values read as v_fp8 * v_scale
+    sinks: torch.Tensor | None = None,  # [num_heads]: per-head logit added to the softmax denominator
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of ``query`` over the paged cache (this step's keys must already be written).
 
@@ -394,6 +407,9 @@ def paged_attention(
     assert block_table.stride(1) == 1
     assert sliding_window is None or sliding_window >= 1, f"sliding_window {sliding_window}"
     assert logits_soft_cap is None or logits_soft_cap > 0, f"logits_soft_cap {logits_soft_cap}"
+    if sinks is not None:
+        assert sinks.shape == (num_heads,) and sinks.stride(0) == 1, f"sinks {tuple(sinks.shape)}"
+        assert sinks.device == query.device and sinks.is_floating_point(), f"sinks {sinks.dtype}"
     if out is None:
         out = torch.empty_like(query)
     if num_tokens == 0 or num_reqs == 0:
@@ -433,6 +449,7 @@ def paged_attention(
         block_table,
         seq_lens,
         query_start_loc,
+        sinks if sinks is not None else out,  # unused without SINKS
         num_reqs,
         part_ml_stride,
         qk_scale,
@@ -462,6 +479,7 @@ def paged_attention(
         SLIDING=sliding_window is not None,
         SOFT_CAP=logits_soft_cap is not None,
         KV_FP8=kv_fp8,
+        SINKS=sinks is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -495,11 +513,12 @@ def paged_attention_ref(
     logits_soft_cap: float | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """PyTorch twin of :func:`paged_attention`: the reference in ``pagedllm.attention.torch_ref``."""
     from pagedllm.attention.torch_ref import paged_attention_ref as ref
 
     return ref(
         query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale, sliding_window,
-        logits_soft_cap, k_scale, v_scale,
+        logits_soft_cap, k_scale, v_scale, sinks,
     )  # fmt: skip

@@ -11,9 +11,12 @@ from pagedllm.attention.base import AttentionBackend, AttentionMetadata
 class Attention(nn.Module):
     """Paged causal self-attention over already-projected, already-rotated q/k/v.
 
-    Holds no weights. The backend writes k/v into ``kv_cache`` at ``metadata.slot_mapping`` and attends.
-    ``sliding_window`` (this layer's window W, or None) and ``logits_soft_cap`` (or None) are fixed per layer and
-    handed to the backend each call; see ``pagedllm/attention/base.py`` for their exact meaning.
+    Holds no weights of its own. The backend writes k/v into ``kv_cache`` at ``metadata.slot_mapping`` and
+    attends. ``sliding_window`` (this layer's window W, or None), ``logits_soft_cap`` (or None) and ``sinks``
+    (``[num_heads]``, or None) are fixed per layer and handed to the backend each call; see
+    ``pagedllm/attention/base.py`` for their exact meaning. ``sinks`` is a weight of the model's attention block
+    (``self_attn.sinks`` in GPT-OSS checkpoints): that block registers the parameter, this layer keeps a reference
+    to it (so it is listed under both names, one parameter, as tied embeddings are) and reads it at every call.
 
     FP8 KV cache: ``k_scale`` / ``v_scale`` (plain floats, per tensor) divide what is written to a
     ``float8_e4m3fn`` cache and multiply what is read back. The loader sets them from a checkpoint's
@@ -31,6 +34,7 @@ class Attention(nn.Module):
         layer_idx: int,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None,  # [num_heads]
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads != 0:
@@ -39,6 +43,8 @@ class Attention(nn.Module):
             raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window!r}")
         if logits_soft_cap is not None and logits_soft_cap <= 0:
             raise ValueError(f"logits_soft_cap must be > 0 or None, got {logits_soft_cap!r}")
+        if sinks is not None and tuple(sinks.shape) != (num_heads,):
+            raise ValueError(f"sinks must be [num_heads] = [{num_heads}], got {tuple(sinks.shape)}")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -47,6 +53,7 @@ class Attention(nn.Module):
         self.attn_backend = attn_backend
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
+        self.sinks = sinks
         self.k_scale = 1.0
         self.v_scale = 1.0
         self.kv_scales_from_checkpoint = False
@@ -70,6 +77,8 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        # sinks only when set: a backend that does not know the option still serves every other model
+        options = {} if self.sinks is None else {"sinks": self.sinks}
         return self.attn_backend.forward(
             query,
             key,
@@ -81,6 +90,7 @@ class Attention(nn.Module):
             logits_soft_cap=self.logits_soft_cap,
             k_scale=self.k_scale,
             v_scale=self.v_scale,
+            **options,
         )
 
     def extra_repr(self) -> str:
@@ -89,6 +99,7 @@ class Attention(nn.Module):
             f"head_dim={self.head_dim}, backend={self.attn_backend.name}"
             + (f", sliding_window={self.sliding_window}" if self.sliding_window else "")
             + (f", logits_soft_cap={self.logits_soft_cap}" if self.logits_soft_cap else "")
+            + (", sinks" if self.sinks is not None else "")
             + (f", k_scale={self.k_scale}, v_scale={self.v_scale}" if self.kv_scales_from_checkpoint else "")
         )
 

@@ -6,6 +6,7 @@ A thin orchestrator; feature logic lives in InputBatch, the attention backend, t
 from __future__ import annotations
 
 import logging
+import math
 import operator
 import time
 from dataclasses import dataclass, field
@@ -138,10 +139,20 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ KV cache sizing
 
-    def kv_block_bytes(self) -> int:
+    def kv_cache_shapes(self, num_blocks: int) -> list[tuple[int, ...]]:
+        """Each layer's cache shape for ``num_blocks`` blocks: what the model declares (``model.kv_cache_shapes``,
+        e.g. MLA's ``[num_blocks, block_size, kv_lora_rank + rope_dim]``), else
+        ``[2, num_blocks, block_size, num_kv_heads, head_dim]``. Every shape is linear in ``num_blocks``."""
+        declared = getattr(self.model, "kv_cache_shapes", None)
+        if declared is not None:
+            return declared(num_blocks, self.block_size)
         mc = self.config.model_config
+        return [(2, num_blocks, self.block_size, self.num_kv_heads, mc.head_dim)] * mc.num_layers
+
+    def kv_block_bytes(self) -> int:
+        """Bytes one block takes over all layers."""
         elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
-        return 2 * mc.num_layers * self.block_size * self.num_kv_heads * mc.head_dim * elem
+        return sum(math.prod(shape) for shape in self.kv_cache_shapes(1)) * elem
 
     def determine_num_blocks(self, extra_block_bytes: int = 0) -> int:
         """Blocks that fit the memory budget: by hand (override / bytes), or profiled on CUDA, or a CPU default.
@@ -166,19 +177,10 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         free_before, total = torch.cuda.mem_get_info(self.device)
         num_tokens = self.max_num_tokens
-        mc = self.config.model_config
         n_blocks = _cdiv(num_tokens, self.block_size)
         caches = [
-            torch.empty(
-                2,
-                n_blocks,
-                self.block_size,
-                self.num_kv_heads,
-                mc.head_dim,
-                dtype=self.kv_cache_dtype,
-                device=self.device,
-            )
-            for _ in range(mc.num_layers)
+            torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device)
+            for shape in self.kv_cache_shapes(n_blocks)
         ]
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         positions = torch.arange(num_tokens, device=self.device) % self.max_model_len
@@ -228,10 +230,9 @@ class ModelRunner:
         return int(max(available, 0) // block_bytes)
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        mc = self.config.model_config
-        shape = (2, num_blocks, self.block_size, self.num_kv_heads, mc.head_dim)
         self.kv_caches = [
-            torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device) for _ in range(mc.num_layers)
+            torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+            for shape in self.kv_cache_shapes(num_blocks)
         ]
         self.num_blocks = num_blocks
         logger.info(

@@ -126,3 +126,105 @@ def test_fused_moe_layer_takes_the_kernel_on_gpu() -> None:
     weights, ids = layer.route(x)
     ref = fused_experts_ref(x, layer.w13, layer.w2, weights, ids)
     torch.testing.assert_close(layer(x).float(), ref.float(), atol=5e-2, rtol=2e-2)
+
+
+# ------------------------------------------------------- expert biases and GPT-OSS's clamped SwiGLU ("swigluoai")
+
+
+def make_oai_inputs(tokens, num_experts, top_k, hidden, inter, dtype, device, seed=0):
+    """``make_inputs`` plus expert biases; w13 scaled so that gate/up often pass the clamp limit (7)."""
+    skip = num_experts - 1
+    x, w13, w2, weights, ids = make_inputs(
+        tokens, num_experts, top_k, hidden, inter, torch.float32, "cpu", seed=seed, skip_expert=skip
+    )
+    g = torch.Generator().manual_seed(seed + 1)
+    b13 = torch.randn(num_experts, 2 * inter, generator=g)
+    b2 = torch.randn(num_experts, hidden, generator=g)
+    cast = lambda t: t.to(dtype).to(device)  # noqa: E731
+    return cast(x), cast(5 * w13), cast(w2), cast(b13), cast(b2), weights.to(device), ids.to(device)
+
+
+def dense_oracle_oai(x, w13, w2, b13, b2, weights, ids, alpha=1.702, limit=7.0):
+    """float64, every expert on every token: ``(clamp(up) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate, limit)``,
+    with both biases (the gate/up split is the stacked ``[gate rows | up rows]`` order)."""
+    x, w13, w2, b13, b2 = (t.double() for t in (x, w13, w2, b13, b2))
+    mix = torch.zeros(x.shape[0], w13.shape[0], dtype=torch.float64, device=x.device)
+    mix.scatter_(1, ids, weights.double())
+    out = torch.zeros_like(x)
+    for e in range(w13.shape[0]):
+        gate, up = (x @ w13[e].T + b13[e]).chunk(2, dim=-1)
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+        out += mix[:, e : e + 1] * (((up + 1) * gate * torch.sigmoid(alpha * gate)) @ w2[e].T + b2[e])
+    return out
+
+
+def test_ref_bias_swigluoai_matches_dense_oracle() -> None:
+    x, w13, w2, b13, b2, weights, ids = make_oai_inputs(9, 5, 2, 32, 24, torch.float32, "cpu", seed=3)
+    h = x @ w13.transpose(1, 2)[0] + b13[0]
+    assert (h > 7).any() and (h < -7).any(), "the inputs should reach the clamp on both sides"
+    for alpha, limit in ((1.702, 7.0), (0.5, 1.5)):
+        out = fused_experts_ref(x, w13, w2, weights, ids, b13, b2, "swigluoai", alpha, limit)
+        want = dense_oracle_oai(x, w13, w2, b13, b2, weights, ids, alpha, limit)
+        torch.testing.assert_close(out.double(), want, atol=1e-4, rtol=1e-5)
+    silu = fused_experts_ref(x, w13, w2, weights, ids, b13, b2)  # biases with the default SiLU-GLU
+    assert (silu - out).abs().max() > 0.1
+
+
+def check_kernel_oai(tokens, num_experts, top_k, hidden, inter, dtype, device, block_m=16, seed=0):
+    from pagedllm.kernels.fused_moe import fused_experts
+
+    x, w13, w2, b13, b2, weights, ids = make_oai_inputs(
+        tokens, num_experts, top_k, hidden, inter, dtype, device, seed=seed
+    )
+    kw = dict(w13_bias=b13, w2_bias=b2, activation="swigluoai", swiglu_alpha=1.702, swiglu_limit=7.0)
+    out = fused_experts(x, w13, w2, weights, ids, block_m=block_m, **kw)
+    ref = fused_experts_ref(x, w13, w2, weights, ids, **kw)
+    assert out.shape == ref.shape and out.dtype == dtype and torch.isfinite(out).all()
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    scale = ref.float().abs().max().item()  # outputs of tens: compare relative to their size
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol * 5 * scale, rtol=tol)
+    # the biases alone, with SiLU-GLU
+    out = fused_experts(x, w13, w2, weights, ids, block_m=block_m, w13_bias=b13, w2_bias=b2)
+    ref = fused_experts_ref(x, w13, w2, weights, ids, w13_bias=b13, w2_bias=b2)
+    scale = ref.float().abs().max().item()
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol * 5 * scale, rtol=tol)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("tokens,num_experts,top_k,hidden,inter", [(1, 4, 2, 32, 16), (13, 6, 3, 32, 40)])
+def test_fused_experts_bias_swigluoai_interpret(tokens, num_experts, top_k, hidden, inter) -> None:
+    pytest.importorskip("triton")
+    check_kernel_oai(tokens, num_experts, top_k, hidden, inter, torch.float32, "cpu", seed=tokens)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens", [1, 64, 1000])
+def test_fused_experts_bias_swigluoai_gpu(dtype, tokens) -> None:
+    pytest.importorskip("triton")
+    check_kernel_oai(tokens, 8, 4, 256, 352, dtype, "cuda", seed=tokens)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpt_oss_moe_layer_takes_the_kernel_on_gpu() -> None:
+    """The stacked-layout layer with biases and swigluoai on the Triton path vs its twin."""
+    pytest.importorskip("triton")
+    from pagedllm.layers.fused_moe import FusedMoE
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        layer = FusedMoE(
+            8, 2, 128, 96, renormalize=True, hidden_act="swigluoai", expert_bias=True,
+            checkpoint_layout="stacked_interleaved",
+        ).to(torch.bfloat16)  # fmt: skip
+        with torch.no_grad():
+            for t in (layer.gate.weight, layer.w13, layer.w2, layer.w13_bias, layer.w2_bias):
+                t.normal_(0, 0.3)
+        x = torch.randn(37, 128, dtype=torch.bfloat16)
+    weights, ids = layer.route(x)
+    ref = fused_experts_ref(
+        x, layer.w13, layer.w2, weights, ids, layer.w13_bias, layer.w2_bias, "swigluoai", 1.702, 7.0
+    )
+    torch.testing.assert_close(layer(x).float(), ref.float(), atol=5e-2, rtol=2e-2)

@@ -95,12 +95,23 @@ def poison_behind_window(b: dict, lens: list[tuple[int, int]], window: int) -> t
     return cache
 
 
+def make_sinks(num_heads: int, seed: int = 0) -> torch.Tensor:
+    """Per-head sink logits from strongly negative (the sink hardly counts) to large (it takes most of the
+    weight, even over 100+ keys): ``[num_heads]`` float32."""
+    g = torch.Generator().manual_seed(100 + seed)
+    sinks = 2.0 * torch.randn(num_heads, generator=g) + 1.0
+    sinks[0] = 8.0
+    sinks[-1] = -6.0
+    return sinks
+
+
 def check_attention(
     lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, num_splits=None, seed=0, pad_tokens=0,
-    sliding_window=None, soft_cap=None, scale=None,
+    sliding_window=None, soft_cap=None, scale=None, sinks=None,
 ) -> float:  # fmt: skip
     """Kernel vs the float64 reference. With a window, cache entries behind it are NaN for the kernel (the
-    reference reads the clean cache): skipped tiles must really be skipped."""
+    reference reads the clean cache): skipped tiles must really be skipped. ``sinks``: ``[num_heads]`` float32
+    (the kernel reads them as given, in the query's dtype here; the reference in float64)."""
     b = make_batch(lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, seed, pad_tokens)
     scale = scale or head_dim**-0.5
     cache = b["kv_cache"] if sliding_window is None else poison_behind_window(b, lens, sliding_window)
@@ -119,6 +130,7 @@ def check_attention(
         num_splits=num_splits,
         sliding_window=sliding_window,
         logits_soft_cap=soft_cap,
+        sinks=None if sinks is None else sinks.to(dtype).to(device),
     )
     cache64 = b["kv_cache"].double()
     ref = paged_attention_ref(
@@ -131,6 +143,7 @@ def check_attention(
         scale,
         sliding_window,
         soft_cap,
+        sinks=None if sinks is None else sinks.to(dtype).double().to(device),
     )
     n = b["num_tokens"]
     err = rel_l2(out[:n], ref[:n])
@@ -351,6 +364,36 @@ def test_triton_backend_matches_torch_gpu(dtype):
     check_backend(dtype, "cuda", sliding_window=12, logits_soft_cap=5.0)
 
 
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("window,soft_cap", [(None, None), (64, None), (300, 50.0), (1, None)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@ALL_LENS
+def test_paged_attention_sinks_gpu(window, soft_cap, dtype, lens):
+    check_attention(
+        lens, 32, 8, 128, 16, dtype, "cuda", sliding_window=window, soft_cap=soft_cap, sinks=make_sinks(32)
+    )
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("num_splits", [None, 2, 8])
+def test_paged_attention_sinks_split_k_gpu(num_splits):
+    """Only split 0 starts from the sink: the merge must count it exactly once."""
+    lens = [(1, 4096), (1, 1), (1, 3001), (1, 700), (1, 17)]
+    check_attention(lens, 32, 8, 128, 16, torch.bfloat16, "cuda", num_splits, sinks=make_sinks(32))
+    check_attention([(40, 5000), (1, 900)], 64, 8, 64, 32, torch.bfloat16, "cuda", num_splits,
+                    sliding_window=700, sinks=make_sinks(64, seed=1))  # fmt: skip
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_backend_sinks_matches_torch_gpu(dtype):
+    check_backend(dtype, "cuda", sinks=make_sinks(8).cuda())
+    check_backend(dtype, "cuda", sliding_window=12, sinks=make_sinks(8, seed=2).to(dtype).cuda())
+
+
 # --------------------------------------------------------------------------------------- interpreter
 
 
@@ -440,6 +483,42 @@ def test_triton_backend_window_soft_cap_interpret():
     check_backend(torch.float32, "cpu", sliding_window=12, logits_soft_cap=5.0)
 
 
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_sinks_interpret(dtype):
+    """Sinks through every path: whole prompts, prefill chunks over a cached prefix (mixed with a decode), pure
+    decode, and a mixed batch with an empty request."""
+    check_attention(PREFILL, 4, 2, 16, 16, dtype, "cpu", sinks=make_sinks(4))
+    check_attention(CHUNKED, 8, 2, 32, 4, dtype, "cpu", pad_tokens=3, sinks=make_sinks(8, seed=1))
+    check_attention(DECODE, 4, 1, 16, 8, dtype, "cpu", sinks=make_sinks(4, seed=2))
+    check_attention(MIXED, 6, 2, 16, 16, dtype, "cpu", sinks=make_sinks(6, seed=3))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("window,soft_cap", [(7, None), (None, 2.0), (20, 2.0)])
+def test_paged_attention_sinks_window_soft_cap_interpret(window, soft_cap):
+    """The sink is neither windowed nor capped: it counts for every row, whatever keys the row sees."""
+    kw = dict(sliding_window=window, soft_cap=soft_cap, scale=0.5)
+    check_attention(CHUNKED, 8, 2, 32, 4, torch.float32, "cpu", sinks=make_sinks(8, seed=4), **kw)
+    check_attention(DECODE, 4, 2, 16, 8, torch.float32, "cpu", sinks=make_sinks(4, seed=5), **kw)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("num_splits", [2, 16])
+def test_paged_attention_sinks_split_k_interpret(num_splits):
+    """Split-K: only split 0 starts from the sink, so the merge counts it once (16 splits: some empty)."""
+    lens = [(1, 600), (1, 1), (1, 75), (1, 1100)]
+    check_attention(lens, 4, 2, 16, 16, torch.float32, "cpu", num_splits, sinks=make_sinks(4, seed=6))
+    check_attention([(9, 700), (1, 40), (3, 3)], 4, 2, 16, 16, torch.bfloat16, "cpu", num_splits,
+                    sliding_window=40, sinks=make_sinks(4, seed=7))  # fmt: skip
+
+
+@needs_interpreter
+def test_triton_backend_sinks_interpret():
+    check_backend(torch.float32, "cpu", sinks=make_sinks(8))
+    check_backend(torch.float32, "cpu", sliding_window=12, sinks=make_sinks(8, seed=2))
+
+
 # ---------------------------------------------------------------------------------------------- CPU
 
 
@@ -452,6 +531,34 @@ def test_num_kv_splits_rule():
         for seq in (1, 500, 513, 4096, 10**5):
             s = num_kv_splits(reqs, 8, seq, 132)
             assert s & (s - 1) == 0 and 1 <= s <= 32
+
+
+def test_sinks_reference_matches_naive_softmax():
+    """The reference's sinks against the formula written out: per row, softmax over [visible scores | sink],
+    the sink's share dropped (float64; GQA, a window, prefill chunks over a prefix and decodes)."""
+    lens = [(5, 21), (1, 9), (7, 7), (1, 30)]
+    num_heads, num_kv_heads, head_dim, block_size, window, scale = 6, 2, 16, 4, 10, 0.4
+    b = make_batch(lens, num_heads, num_kv_heads, head_dim, block_size, torch.float64, "cpu", seed=5)
+    sinks = make_sinks(num_heads).double()
+    cache = b["kv_cache"]
+    args = (b["query"], cache[0], cache[1], b["block_table"], b["seq_lens"], b["query_start_loc"])
+    out = paged_attention_ref(*args, scale, window, sinks=sinks)
+    group = num_heads // num_kv_heads
+    row = 0
+    for r, (q_len, seq_len) in enumerate(lens):
+        blocks = b["block_table"][r, : triton.cdiv(seq_len, block_size)].long()
+        k = b["kv_cache"][0, blocks].flatten(0, 1)[:seq_len]  # [seq_len, num_kv_heads, head_dim]
+        v = b["kv_cache"][1, blocks].flatten(0, 1)[:seq_len]
+        for i in range(q_len):
+            pos = seq_len - q_len + i
+            lo = max(0, pos - window + 1)
+            for h in range(num_heads):
+                scores = k[lo : pos + 1, h // group] @ b["query"][row, h] * scale  # [visible]
+                probs = torch.softmax(torch.cat([scores, sinks[h : h + 1]]), dim=0)[:-1]
+                torch.testing.assert_close(out[row, h], probs @ v[lo : pos + 1, h // group])
+            row += 1
+    plain = paged_attention_ref(*args, scale, window)
+    assert (out - plain).abs().max() > 0.1  # the sinks matter in this batch
 
 
 def check_backend(dtype, device, **options):

@@ -1,0 +1,91 @@
+"""Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2 attention (q/k/v bias from ``qkv_bias``) with a sparse MoE MLP
+(``mlp.gate`` + ``mlp.experts.{e}.gate_proj/up_proj/down_proj``, softmax then top-k, renormalised when
+``norm_topk_prob``) plus one always-on shared expert (``mlp.shared_expert.*``, ``shared_expert_intermediate_size``
+wide) whose output is scaled by ``sigmoid(mlp.shared_expert_gate(x))``, a scalar per token. Which layers are
+sparse follows Qwen3-MoE's rule (``decoder_sparse_step``, ``mlp_only_layers``); the others keep a dense
+``intermediate_size`` MLP."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.layers.fused_moe import FusedMoE
+from pagedllm.layers.linear import Linear
+from pagedllm.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, layer_types_sliding_window
+from pagedllm.models.mixtral import MoEModel
+from pagedllm.models.qwen3_moe import is_sparse_layer
+
+
+def qwen2_moe_layer_sliding_window(config: Any, layer_idx: int) -> int | None:
+    """Only with ``use_sliding_window``; then the layers ``layer_types`` marks, which transformers' Qwen2-MoE
+    derives as the even layers (0, 2, ...) below ``max_window_layers`` (the rule used without ``layer_types``)."""
+    max_window_layers = getattr(config, "max_window_layers", None)
+    default = layer_idx % 2 == 0 and (max_window_layers is None or layer_idx < max_window_layers)
+    return layer_types_sliding_window(config, layer_idx, default)
+
+
+class Qwen2MoeAttention(LlamaAttention):
+    layer_sliding_window = staticmethod(qwen2_moe_layer_sliding_window)
+
+    @staticmethod
+    def biases(config: Any) -> tuple[bool, bool]:
+        return bool(getattr(config, "qkv_bias", True)), False
+
+
+def _dense_mlp_config(config: Any, intermediate_size: int) -> SimpleNamespace:
+    return SimpleNamespace(
+        hidden_size=config.hidden_size,
+        intermediate_size=intermediate_size,
+        hidden_act=config.hidden_act,
+        mlp_bias=False,
+    )
+
+
+class Qwen2MoeSparseMoe(FusedMoE):
+    """``FusedMoE`` (routing as Qwen3-MoE: float32 softmax, top-k, optional renormalisation, weights cast to the
+    activations' dtype) plus the gated shared expert::
+
+        out = experts(x) + sigmoid(x @ shared_expert_gate.T) * shared_expert(x)      # gate: [1, hidden]
+    """
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(
+            num_experts=config.num_experts,
+            top_k=config.num_experts_per_tok,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.moe_intermediate_size,
+            renormalize=bool(config.norm_topk_prob),
+            w13_name="gate_up_proj",
+            w2_name="down_proj",
+            cast_weights_to_input_dtype=True,
+            hidden_act=config.hidden_act,
+        )
+        self.shared_expert = LlamaMLP(_dense_mlp_config(config, config.shared_expert_intermediate_size))
+        self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # [T, 1] * [T, hidden]
+        return super().forward(x) + shared
+
+
+def qwen2_moe_mlp(config: Any, layer_idx: int) -> tuple[str, nn.Module]:
+    if not is_sparse_layer(config, layer_idx):
+        return "mlp", LlamaMLP(_dense_mlp_config(config, config.intermediate_size))
+    return "mlp", Qwen2MoeSparseMoe(config)
+
+
+class Qwen2MoeModel(MoEModel):
+    make_mlp = staticmethod(qwen2_moe_mlp)
+
+
+class Qwen2MoeForCausalLM(LlamaForCausalLM):
+    """Llama's ``packed_modules_mapping`` covers all three MLP kinds: ``gate_proj``/``up_proj`` become shards 0/1
+    of a dense layer's or the shared expert's ``gate_up_proj``, or of expert e's ``experts.{e}.gate_up_proj``
+    slot."""
+
+    attention_cls = Qwen2MoeAttention
+    model_cls = Qwen2MoeModel
