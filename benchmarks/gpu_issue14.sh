@@ -3,7 +3,7 @@
 # (for the bandwidth floor), then `pagedllm bench latency` (batch 1, 128 in / 128 out) and `bench throughput` on the
 # Llama-3.1-8B shape with dummy weights in bf16, `--quantization fp8` (online, W8A8) and GPTQ 4-bit (group 128, a copy
 # of the shape dir with a GPTQ quantization_config; dummy weights are random packed bits with fixed scales).
-#   bash benchmarks/gpu_issue14.sh [tests] [bytes] [latency] [ab] [throughput]
+#   bash benchmarks/gpu_issue14.sh [tests] [bytes] [latency] [kv] [ab] [throughput]
 # With no arguments it runs everything (about 7 minutes on an H100). `ab` repeats the GPTQ latency run with split-K
 # off (PAGEDLLM_W4A16_SPLIT_K=1) against the default (split-K for M <= 64 when the N tiles are too few).
 # Throughput uses NUM_PROMPTS prompts (default 200, not 1000, to fit one device call; 1024 in / 128 out each).
@@ -78,6 +78,15 @@ if want latency; then
   run llama_lat_bf16 150 $py -m pagedllm.benchmarks.latency --model $L $common $lat --output-json "$out/llama_lat_bf16.json"
   run llama_lat_fp8 150 $py -m pagedllm.benchmarks.latency --model $L $common --quantization fp8 $lat --output-json "$out/llama_lat_fp8.json"
   run llama_lat_gptq 150 $py -m pagedllm.benchmarks.latency --model $G $common $lat --output-json "$out/llama_lat_gptq.json"
+fi
+if want kv; then  # the FP8 KV cache: latency with it, and the KV capacity (max concurrency) against the bf16 cache
+  # (run with INFO logging so the engine's "KV cache (...): N blocks ...; maximum concurrency ..." line shows)
+  logged="import logging, runpy, sys; logging.basicConfig(level=logging.INFO); sys.argv[0] = 'latency'; runpy.run_module('pagedllm.benchmarks.latency', run_name='__main__')"
+  run llama_lat_kvbf16 150 $py -c "$logged" --model $L $common $lat --output-json "$out/llama_lat_kvbf16.json"
+  run llama_lat_kvfp8 150 $py -c "$logged" --model $L $common --kv-cache-dtype fp8 $lat --output-json "$out/llama_lat_kvfp8.json"
+  for f in "$out/bench_llama_lat_kvbf16.log" "$out/bench_llama_lat_kvfp8.log"; do
+    echo "    $(basename "$f"): $(grep -m1 -o "KV cache (.*" "$f")"
+  done
 fi
 if want ab; then
   PAGEDLLM_W4A16_SPLIT_K=1 run llama_lat_gptq_nosplit 150 $py -m pagedllm.benchmarks.latency --model $G $common $lat --output-json "$out/llama_lat_gptq_nosplit.json"
