@@ -24,6 +24,11 @@ the activation ``act``:
   (on the kernel path one Triton elementwise kernel in float32, rounded once; the twin in PyTorch ops).
 
 Accumulation is float32, results are rounded to the input dtype after each GEMM (as the twin does).
+
+CUDA-graph safe: the layout's buffers have a size fixed by ``(A, E, BLOCK_M)`` alone (:func:`moe_max_blocks`
+row blocks), the number of blocks actually used stays on the device, and the GEMM's programs past it return at
+once (so a decode step with ``A = top_k`` assignments reads at most ``A`` experts' weights, not all ``E``). No
+step of the kernel path reads a device value on the host.
 """
 
 from __future__ import annotations
@@ -39,31 +44,66 @@ except ImportError:  # pragma: no cover - exercised where Triton is missing
     tl = None
 
 
+def moe_max_blocks(num_assign: int, num_experts: int, block_m: int) -> int:
+    """A bound on the row blocks :func:`moe_align` needs, fixed by the shapes alone.
+
+    Expert e with ``c_e > 0`` assignments takes ``ceil(c_e / block_m) <= (c_e + block_m - 1) / block_m`` blocks
+    and at most ``k = min(num_experts, num_assign)`` experts are non-empty, so the blocks number at most
+    ``(A + k * (block_m - 1)) / block_m``, and, being an integer, at most its floor. With ``k = A`` (fewer
+    assignments than experts: decode) this is exactly ``A``, one block per assignment. It is tight: reached when
+    ``k`` experts are non-empty, each holding ``1 (mod block_m)`` assignments."""
+    nonempty = min(num_experts, num_assign)
+    return (num_assign + nonempty * (block_m - 1)) // block_m
+
+
 def moe_align(
     topk_ids: torch.Tensor,  # [T, top_k] int
     num_experts: int,
     block_m: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sorted_ids, block_expert)``: the assignments sorted (stably) by expert, each expert's run padded to a
-    multiple of ``block_m`` with the invalid id ``T * top_k`` (``[num_blocks * block_m]`` int32), and the expert
-    of each ``block_m`` rows (``[num_blocks]`` int32). Experts with no assignment get no block."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The assignments sorted (stably) by expert, each expert's run padded to a multiple of ``block_m``.
+
+    Returns ``(sorted_ids, block_expert, num_blocks)`` with ``A = T * top_k`` and ``M = moe_max_blocks(A,
+    num_experts, block_m)``:
+
+    * ``sorted_ids: [M * block_m]`` int32: assignment ids; padding (inside an expert's last block and every row
+      past the used blocks) holds the invalid id ``A``;
+    * ``block_expert: [M]`` int32: the expert of each ``block_m`` rows; experts with no assignment get no block;
+      the blocks past the used ones repeat expert ``num_experts - 1`` (in range, never computed);
+    * ``num_blocks: [1]`` int32: how many blocks are used, on ``topk_ids``' device.
+
+    Shapes depend on ``(A, num_experts, block_m)`` only and nothing is read on the host, so a CUDA graph can
+    capture it (block -> expert by ``searchsorted``, not ``repeat_interleave``; counts by ``searchsorted`` over
+    the sorted ids, not ``bincount``, which reads the largest id on the host on CUDA)::
+
+        expert            0          1    2                      (E = 3, block_m = 4, A = 7)
+        counts            2          0    5
+        blocks            1          0    2                      used: 3 of M = (7 + 3 * 3) // 4 = 4
+        sorted_ids        a a A A   |    a a a a   a A A A   |   A A A A
+        block_expert      0              2         2             2 (clamped: past num_blocks)
+    """
     flat = topk_ids.reshape(-1).to(torch.int64)  # [A]
     num_assign = flat.numel()
     device = topk_ids.device
-    counts = torch.bincount(flat, minlength=num_experts)  # [E]
-    padded = (counts + block_m - 1) // block_m * block_m  # [E]
-    padded_start = torch.cumsum(padded, 0) - padded  # [E]
-    start = torch.cumsum(counts, 0) - counts  # [E]
+    max_blocks = moe_max_blocks(num_assign, num_experts, block_m)
     order = torch.argsort(flat, stable=True)  # [A] assignment ids, grouped by expert
-    expert_of_sorted = flat[order]  # [A]
-    rank = torch.arange(num_assign, device=device) - start[expert_of_sorted]  # position inside its expert
-    total = int(padded.sum().item())
-    sorted_ids = torch.full((total,), num_assign, dtype=torch.int32, device=device)
-    sorted_ids[padded_start[expert_of_sorted] + rank] = order.to(torch.int32)
-    block_expert = torch.repeat_interleave(
-        torch.arange(num_experts, device=device, dtype=torch.int32), padded // block_m
-    )  # [num_blocks]
-    return sorted_ids, block_expert
+    expert_of_sorted = flat[order]  # [A] non-decreasing
+    experts = torch.arange(num_experts + 1, device=device, dtype=torch.int64)  # [E + 1]
+    bounds = torch.searchsorted(expert_of_sorted, experts)  # [E + 1]: expert e's run is bounds[e]:bounds[e+1]
+    start, counts = bounds[:-1], bounds[1:] - bounds[:-1]  # [E] each
+    blocks = (counts + block_m - 1) // block_m  # [E] blocks per expert
+    block_end = torch.cumsum(blocks, 0)  # [E] one past each expert's last block
+    padded_start = (block_end - blocks) * block_m  # [E] each expert's first row in sorted_ids
+    # assignment order[i] (the i-th in expert order) goes to row i - start[e] + padded_start[e] of its expert e
+    dest = torch.arange(num_assign, device=device) + (padded_start - start)[expert_of_sorted]  # [A]
+    sorted_ids = torch.full((max_blocks * block_m,), num_assign, dtype=torch.int32, device=device)
+    sorted_ids.scatter_(0, dest, order.to(torch.int32))
+    # block b belongs to the expert whose [block_end - blocks, block_end) holds b: the number of experts whose
+    # blocks all end at or before b (empty experts add nothing); blocks past the used ones give E, clamped
+    block_ids = torch.arange(max_blocks, device=device, dtype=torch.int64)  # [M]
+    block_expert = torch.searchsorted(block_end, block_ids, right=True).clamp_(max=num_experts - 1)
+    num_blocks = block_end[-1:].to(torch.int32)  # [1]
+    return sorted_ids, block_expert.to(torch.int32), num_blocks
 
 
 if triton is not None:
@@ -73,8 +113,9 @@ if triton is not None:
         a_ptr,  # [rows_a, K]: rows gathered by sorted_id // a_div
         w_ptr,  # [E, N, K]
         c_ptr,  # [A, N]: row = sorted_id
-        sorted_ids_ptr,  # [num_blocks * BLOCK_M] int32
-        block_expert_ptr,  # [num_blocks] int32
+        sorted_ids_ptr,  # [max_blocks * BLOCK_M] int32
+        block_expert_ptr,  # [max_blocks] int32
+        num_blocks_ptr,  # [1] int32: row blocks in use; programs at or past it return at once
         scale_ptr,  # [A] float32 (router weights), read when MUL_SCALE
         bias_ptr,  # [E, N] (this GEMM's expert biases), read when HAS_BIAS
         num_assign,
@@ -94,6 +135,9 @@ if triton is not None:
     ):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
+        num_valid = tl.load(num_blocks_ptr)
+        if pid_m >= num_valid:  # a block past the used ones: all padding, its expert's weights never read
+            return
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         ids = tl.load(sorted_ids_ptr + offs_m)  # [BLOCK_M] assignment ids; num_assign marks padding
         valid = ids < num_assign
@@ -126,8 +170,9 @@ if triton is not None:
 def _moe_gemm(
     a: torch.Tensor,  # [rows, K]
     w: torch.Tensor,  # [E, N, K]
-    sorted_ids: torch.Tensor,
-    block_expert: torch.Tensor,
+    sorted_ids: torch.Tensor,  # [max_blocks * block_m] int32
+    block_expert: torch.Tensor,  # [max_blocks] int32
+    num_blocks: torch.Tensor,  # [1] int32, on the device
     num_assign: int,
     a_div: int,
     scale: torch.Tensor | None,  # [A] float32
@@ -141,18 +186,20 @@ def _moe_gemm(
         f"bias {tuple(bias.shape)} vs w {tuple(w.shape)}"
     )
     c = torch.empty((num_assign, n), dtype=a.dtype, device=a.device)
-    num_blocks = block_expert.numel()
-    if num_blocks == 0:
+    max_blocks = block_expert.numel()  # a bound fixed by the shapes; the kernel reads the real count
+    assert sorted_ids.numel() == max_blocks * block_m and num_blocks.numel() == 1
+    if max_blocks == 0:
         return c
     block_n = max(16, min(64, triton.next_power_of_2(n)))
     block_k = max(16, min(64, triton.next_power_of_2(k)))
-    grid = (num_blocks, triton.cdiv(n, block_n))
+    grid = (max_blocks, triton.cdiv(n, block_n))
     _moe_gemm_kernel[grid](
         a,
         w,
         c,
         sorted_ids,
         block_expert,
+        num_blocks,
         scale if scale is not None else c,
         bias if bias is not None else c,
         num_assign,
@@ -203,14 +250,15 @@ def fused_experts(
         return torch.zeros_like(x)
     x = x.contiguous()
     num_assign = num_tokens * top_k
-    sorted_ids, block_expert = moe_align(topk_ids, num_experts, block_m)
-    h = _moe_gemm(x, w13, sorted_ids, block_expert, num_assign, top_k, None, block_m, w13_bias)  # [A, 2 * I]
+    sorted_ids, block_expert, num_blocks = moe_align(topk_ids, num_experts, block_m)
+    layout = (sorted_ids, block_expert, num_blocks, num_assign)
+    h = _moe_gemm(x, w13, *layout, top_k, None, block_m, w13_bias)  # [A, 2 * inter]
     if activation == "swigluoai":
         g = swiglu_oai(h, swiglu_alpha, swiglu_limit)  # [A, inter]
     else:
         g = _silu_and_mul(h)  # [A, inter]
     scale = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    y = _moe_gemm(g, w2, sorted_ids, block_expert, num_assign, 1, scale, block_m, w2_bias)  # [A, hidden]
+    y = _moe_gemm(g, w2, *layout, 1, scale, block_m, w2_bias)  # [A, hidden]
     return y.view(num_tokens, top_k, hidden).sum(dim=1)
 
 

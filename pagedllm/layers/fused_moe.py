@@ -24,6 +24,10 @@ Routing follows transformers: softmax over the float32 router logits, top-k, the
 Mixtral, ``norm_topk_prob`` for Qwen3-MoE) the k weights divided by their sum. DeepSeek's grouped rules
 (:func:`group_limited_topk` for V2, :func:`noaux_tc_topk` for V3) are functions a model's ``FusedMoE`` subclass
 calls from its own ``route``.
+
+On CUDA the forward (routing included) reads nothing on the host and its shapes follow the token count alone, so
+decode steps run inside CUDA graphs; routing rules added here must keep that (no ``.item()``, ``.tolist()``,
+``nonzero``, boolean-mask indexing; tests/models/test_moe.py checks every family's block).
 """
 
 from __future__ import annotations

@@ -170,9 +170,10 @@ def _count_calls(monkeypatch, module, name: str) -> list[int]:
     return calls
 
 
-def check_engine_under_pressure(path: str, device: str, tol: float) -> None:
+def check_engine_under_pressure(path: str, device: str, tol: float) -> LLM:
     """Chunks of at most 8 tokens, a pool too small for all three sequences (preemption), a shared 36-token prefix
-    (prefix-cache hits): transformers' greedy tokens, and its logprobs (and top 3) within ``tol``."""
+    (prefix-cache hits): transformers' greedy tokens, and its logprobs (and top 3) within ``tol``. CUDA graphs on
+    (what the runner does on CUDA unless told otherwise). Returns the LLM, for further checks."""
     llm = LLM(
         path,
         device=device,
@@ -181,7 +182,6 @@ def check_engine_under_pressure(path: str, device: str, tol: float) -> None:
         max_model_len=64,
         max_num_batched_tokens=8,
         num_gpu_blocks_override=20,
-        enforce_eager=True,
     )
     core = llm.llm_engine.engine_core
     prompts = _prompts(core.vocab_size)
@@ -204,6 +204,7 @@ def check_engine_under_pressure(path: str, device: str, tol: float) -> None:
     assert stats.prefix_cache_hits > 0, "the test meant to hit the prefix cache"
     core.check_integrity()
     assert core.kv_cache_manager.num_free_blocks == core.kv_cache_manager.pool.num_blocks
+    return llm
 
 
 @pytest.mark.parametrize("variant", ENGINE_VARIANTS)
@@ -223,14 +224,18 @@ def test_greedy_and_logprobs_match_transformers_under_pressure(
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["v2-lite", "v3"])
 def test_gpu_triton_decode_matches_transformers(deepseek_dirs, variant: str, monkeypatch) -> None:
-    """On CUDA (float32, the Triton backend) decodes run the Triton MLA kernel; tokens still equal transformers'
-    (on CPU) and logprobs agree within 1e-3. Eager (``check_engine_under_pressure``): the MoE kernel's expert
-    sort (``moe_align``) reads a count on the host, which CUDA-graph capture does not allow."""
+    """On CUDA (float32, the Triton backend) decodes run the Triton MLA kernel and the Triton MoE kernel, pure
+    decode steps as replays of CUDA graphs (MLA's absorbed decode and ``moe_align`` read nothing on the host);
+    tokens still equal transformers' (on CPU) and logprobs agree within 1e-3."""
     import pagedllm.kernels.mla_decode as mla_decode
+    from pagedllm.worker import cuda_graphs
 
     triton_calls = _count_calls(monkeypatch, mla_decode, "mla_decode")
-    check_engine_under_pressure(deepseek_dirs[variant], "cuda", 1e-3)
+    replays = _count_calls(monkeypatch, cuda_graphs.CudaGraphRunner, "run")
+    llm = check_engine_under_pressure(deepseek_dirs[variant], "cuda", 1e-3)
+    assert llm.llm_engine.engine_core.runner.graph_runner is not None
     assert triton_calls[0] > 0
+    assert replays[0] > 0, "no pure-decode step replayed a graph"
 
 
 def test_cache_holds_latent_and_rope_key_per_token(deepseek_dirs) -> None:
