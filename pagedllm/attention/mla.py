@@ -56,9 +56,11 @@ def write_latent_cache(
     rows = torch.cat([latent, k_pe], dim=-1).to(flat.dtype)  # [T, L + R]
     slots = slot_mapping[:num_tokens]  # [T]
     valid = slots >= 0  # [T]
-    first = valid.to(torch.int32).argmax()  # the first token with a slot (0 when none has one)
-    target = torch.where(valid, slots, slots[first]).clamp(min=0)  # [T]
-    fallback = torch.where(valid[first], rows[first], flat[0])  # [L + R]
+    # the first token with a slot (0 when none has one), as a [1] index: indexing with a 0-d device tensor would
+    # read it on the host
+    first = valid.to(torch.int32).argmax().view(1)
+    target = torch.where(valid, slots, slots.index_select(0, first)).clamp(min=0)  # [T]
+    fallback = torch.where(valid.index_select(0, first)[:, None], rows.index_select(0, first), flat[:1])  # [1, L+R]
     flat.index_copy_(0, target, torch.where(valid[:, None], rows, fallback))
 
 

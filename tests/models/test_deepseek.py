@@ -403,3 +403,23 @@ def test_shape_dirs_load_as_transformers_configs(tmp_path: Path) -> None:
     assert (qwen.num_experts, qwen.num_experts_per_tok, qwen.num_hidden_layers) == (128, 8, 48)
     for cfg in (lite, qwen):
         assert get_model_class(cfg.architectures[0], import_module=False) is None  # known, not imported
+
+
+def test_latent_cache_write_does_not_sync(monkeypatch) -> None:
+    """The MLA cache write runs inside CUDA-graph capture (pure decode steps): no op that reads a device value on
+    the host (the first device run failed capture on indexing with a 0-d tensor, which calls ``item``)."""
+    from pagedllm.attention.mla import write_latent_cache
+    from tests.kernels.test_triton_fused_moe import no_host_sync
+
+    cache = torch.zeros(4, 2, 6)  # [num_blocks, block_size, L + R]
+    latent, k_pe = torch.randn(3, 4), torch.randn(3, 2)
+    for slots in ([-1, 5, 2], [-1, -1, -1], [0, 7, 3]):
+        before = cache.clone()
+        slot_mapping = torch.tensor(slots + [-1], dtype=torch.int64)
+        with no_host_sync(monkeypatch):
+            write_latent_cache(latent, k_pe, cache, slot_mapping)
+        flat, want = cache.view(-1, 6), before.view(-1, 6).clone()
+        for t, s in enumerate(slots):
+            if s >= 0:
+                want[s] = torch.cat([latent[t], k_pe[t]])
+        assert torch.equal(flat, want)
