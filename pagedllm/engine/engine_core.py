@@ -168,7 +168,13 @@ class EngineCore:
     def _grammar_bitmask(self, step: StepInFlight):
         """The step's bitmask (host tensor), or None when none of its sampling rows is constrained."""
         states = self._grammar_states(step)
-        return None if states is None else self.structured.grammar_bitmask(states)
+        if states is None:
+            return None
+        num_draft = getattr(step, "spec_num_draft", None)
+        if num_draft is not None and num_draft.any():  # one row per draft position (speculative decoding)
+            drafts = [step.spec_draft_ids[i, :n].tolist() for i, n in enumerate(num_draft)]
+            return self.structured.grammar_bitmask_spec(states, drafts)
+        return self.structured.grammar_bitmask(states)
 
     def _complete_sample(self) -> None:
         """Sample the launched step whose bitmask was being filled in the background (async scheduling)."""

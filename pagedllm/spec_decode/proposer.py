@@ -3,8 +3,12 @@
 ``propose(requests)`` sets ``Request.spec_token_ids`` for the running requests that can speculate; the scheduler
 sends them with the next step, the runner verifies them, and ``update_from_output`` rolls back what was rejected.
 A request speculates only when its sampling does not read its own history position by position (penalties,
-bad words, min_tokens) and it has no grammar: for those the target distribution of a draft position would depend
-on the drafts before it, which the verification step does not model. They decode one token at a time, exactly.
+bad words, min_tokens): for those the target distribution of a draft position would depend on the drafts before
+it, which the verification step does not model. They decode one token at a time, exactly. A request with a grammar
+speculates while the grammar constrains it (not while a reasoning parser holds the grammar back): the structured
+output manager fills one mask per draft position by walking the matcher through the drafts and rolling it back
+(``StructuredOutputManager.grammar_bitmask_spec``), so a draft the grammar forbids has probability 0 and is
+rejected.
 """
 
 from __future__ import annotations
@@ -23,11 +27,12 @@ from pagedllm.worker.input_batch import needs_history
 
 
 def can_speculate(request: Request) -> bool:
-    """Whether ``request`` may get drafts: decoding (one token behind), no grammar, no history-dependent sampling."""
+    """Whether ``request`` may get drafts: decoding (one token behind), no history-dependent sampling, and no
+    grammar or one that constrains the next token now."""
     return (
         request.status == RequestStatus.RUNNING
         and request.num_computed_tokens == request.num_tokens - 1
-        and request.grammar is None
+        and (request.grammar is None or request.grammar.active)
         and not needs_history(request.sampling_params)
     )
 

@@ -231,6 +231,36 @@ class StructuredOutputManager:
             return None
         return self._fill(states, rows, self._buffer(len(states)))
 
+    def grammar_bitmask_spec(
+        self, states: Sequence[GrammarState | None], drafts: Sequence[Sequence[int]]
+    ) -> torch.Tensor | None:
+        """Speculative decoding: ``[sum(len(d) + 1 for d in drafts), ceil(vocab_size / 32)]`` int32, the rows of
+        request i at ``sum(len(d) + 1 for d in drafts[:i])``: its mask now, then after each of its drafts. Each
+        matcher walks through its drafts and is rolled back; past a draft the grammar rejects (or that ends it),
+        rows allow everything: verification rejects that draft at the row before, so they are never used.
+        None when no row is constrained."""
+        if not any(s is not None and s.active for s in states):
+            return None
+        buf = self._buffer(sum(len(d) + 1 for d in drafts))
+        buf.fill_(-1)
+        row = 0
+        for state, draft in zip(states, drafts, strict=True):
+            if state is not None and state.active:
+                self._fill_row(state, buf, row)
+                before = state.num_accepted
+                for i, token_id in enumerate(draft):
+                    if not state.accept(token_id) or not state.active:
+                        break
+                    self._fill_row(state, buf, row + i + 1)
+                state.rollback(state.num_accepted - before)
+            row += len(draft) + 1
+        return buf
+
+    def _fill_row(self, state: GrammarState, buf: torch.Tensor, row: int) -> None:
+        state.matcher.fill_next_token_bitmask(buf, row)
+        if state.whitespace_capped:
+            buf[row] &= self._not_ws_mask
+
     def grammar_bitmask_async(self, states: Sequence[GrammarState | None]) -> Future:
         """``grammar_bitmask`` in a worker thread (xgrammar releases the GIL while it fills), so the caller can
         schedule the next step meanwhile. Nothing may advance these matchers until the future is done."""

@@ -452,8 +452,9 @@ class ModelRunner:
             step.sampled_host = step.sampled
 
     def _sample_spec(self, step: StepInFlight, grammar_bitmask: torch.Tensor | None) -> None:
-        """Verify the drafts of ``step`` (rejection_sample) and sample the requests without drafts; the result
-        is ``step.sampled``: [num_sampled, k + 1] tokens (accepted drafts, one more, -1 padding). The batch learns
+        """Verify the drafts of ``step`` (rejection_sample) and sample the requests without drafts.
+        ``grammar_bitmask``: one row per request, or one per logit row (a mask per draft position, from
+        ``StructuredOutputManager.grammar_bitmask_spec``). The result is ``step.sampled``: [num_sampled, k + 1] tokens (accepted drafts, one more, -1 padding). The batch learns
         the tokens in ``collect`` (speculative decoding runs without async scheduling)."""
         batch = self.input_batch
         dev = self.device
@@ -465,8 +466,9 @@ class ModelRunner:
         # Every logit row samples with its request's settings (drafted requests have no history-dependent ones).
         meta = self._sampling_metadata(np.repeat(s_rows, counts))
         if grammar_bitmask is not None:
-            expand = torch.from_numpy(np.repeat(np.arange(num_sampled), counts))
-            meta.grammar_bitmask = grammar_bitmask[expand].to(dev, non_blocking=True)
+            if grammar_bitmask.shape[0] != int(counts.sum()):  # one row per request: the same for its positions
+                grammar_bitmask = grammar_bitmask[torch.from_numpy(np.repeat(np.arange(num_sampled), counts))]
+            meta.grammar_bitmask = grammar_bitmask.to(dev, non_blocking=True)
         processed = self.sampler.processed_logits(step.logits, meta)  # [num_logits, vocab_size] float32
         greedy = batch.greedy_np[s_rows]  # [num_sampled]
         temperature = torch.from_numpy(np.where(greedy, 0.0, 1.0).astype(np.float32))  # already applied
