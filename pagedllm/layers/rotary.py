@@ -1,4 +1,4 @@
-"""Rotary position embeddings (NeoX / HF-Llama "rotate half" layout), with linear and llama3 scaling."""
+"""Rotary position embeddings (NeoX / HF-Llama "rotate half" layout), with linear, llama3 and YaRN scaling."""
 
 from __future__ import annotations
 
@@ -52,6 +52,51 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(is_medium, blended, out)
 
 
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention magnitude correction ``0.1 * mscale * ln(scale) + 1`` (1 for ``scale <= 1``)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_factor(scaling: dict[str, Any], max_position: int) -> float:
+    factor = scaling.get("factor")
+    if factor is None:  # transformers: the ratio of the context to the pretraining one
+        factor = max_position / scaling["original_max_position_embeddings"]
+    return float(factor)
+
+
+def yarn_inv_freq(
+    dim: int, base: float, scaling: dict[str, Any], max_position: int
+) -> tuple[torch.Tensor, float]:  # ([dim // 2] float32, attention_factor)
+    """YaRN frequencies (interpolated below the correction range, extrapolated above, a linear ramp between)
+    and the factor cos/sin are multiplied by, as transformers' ``_compute_yarn_parameters``."""
+    factor = yarn_factor(scaling, max_position)
+    original = scaling["original_max_position_embeddings"]
+    attention_factor = scaling.get("attention_factor")
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = yarn_mscale(factor)
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(original / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no singularity
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)  # [dim // 2]
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)  # [dim // 2]
+    extrapolation = 1 - ramp  # weight of the unscaled frequency
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
 class RotaryEmbedding(nn.Module):
     """Rotates the first ``rotary_dim`` features of q and k by position.
 
@@ -73,15 +118,18 @@ class RotaryEmbedding(nn.Module):
         exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.float32) / self.rotary_dim
         inv_freq = 1.0 / (base**exponents)  # [rotary_dim // 2]
         rope_type = (rope_scaling or {}).get("rope_type", "default")
+        attention_factor = 1.0
         if rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
         elif rope_type == "linear":
             inv_freq = inv_freq / float(rope_scaling["factor"])
+        elif rope_type == "yarn":  # transformers scales cos and sin, so the rotated q and k each carry the factor
+            inv_freq, attention_factor = yarn_inv_freq(self.rotary_dim, base, rope_scaling, max_position)
         elif rope_type != "default":
-            raise ValueError(f"unsupported rope type {rope_type!r}; supported: default, linear, llama3")
+            raise ValueError(f"unsupported rope type {rope_type!r}; supported: default, linear, llama3, yarn")
         t = torch.arange(max_position, dtype=torch.float32)  # [max_position]
         freqs = torch.outer(t, inv_freq)  # [max_position, rotary_dim // 2]
-        cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [max_position, rotary_dim]
+        cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_factor  # [max_position, rotary_dim]
         self.register_buffer("cos_sin_cache", cos_sin, persistent=False)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,6 @@ layers (checkpoints that ship ``model.layers.{num_hidden_layers}.*`` fail the st
 from __future__ import annotations
 
 import functools
-import math
 from types import SimpleNamespace
 from typing import Any
 
@@ -51,7 +50,7 @@ from pagedllm.layers.embedding import VocabEmbedding
 from pagedllm.layers.fused_moe import FusedMoE, group_limited_topk, noaux_tc_topk
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.norm import RMSNorm
-from pagedllm.layers.rotary import rope_config
+from pagedllm.layers.rotary import rope_config, yarn_factor, yarn_inv_freq, yarn_mscale
 from pagedllm.models.llama import LlamaForCausalLM, LlamaMLP, LlamaModel
 from pagedllm.models.mixtral import MoEDecoderLayer
 
@@ -61,58 +60,13 @@ _LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: transformers builds the
 # ---------------------------------------------------------------------------------------------- rotary
 
 
-def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    """YaRN's attention magnitude correction ``0.1 * mscale * ln(scale) + 1`` (1 for ``scale <= 1``)."""
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
-def _yarn_factor(scaling: dict[str, Any], max_position: int) -> float:
-    factor = scaling.get("factor")
-    if factor is None:  # transformers: the ratio of the context to the pretraining one
-        factor = max_position / scaling["original_max_position_embeddings"]
-    return float(factor)
-
-
-def yarn_inv_freq(
-    dim: int, base: float, scaling: dict[str, Any], max_position: int
-) -> tuple[torch.Tensor, float]:  # ([dim // 2] float32, attention_factor)
-    """YaRN frequencies (interpolated below the correction range, extrapolated above, a linear ramp between)
-    and the factor cos/sin are multiplied by, as transformers' ``_compute_yarn_parameters``."""
-    factor = _yarn_factor(scaling, max_position)
-    original = scaling["original_max_position_embeddings"]
-    attention_factor = scaling.get("attention_factor")
-    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
-    if attention_factor is None:
-        if mscale and mscale_all_dim:
-            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
-        else:
-            attention_factor = yarn_mscale(factor)
-    beta_fast = scaling.get("beta_fast") or 32
-    beta_slow = scaling.get("beta_slow") or 1
-
-    def correction_dim(num_rotations: float) -> float:
-        return (dim * math.log(original / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
-
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if scaling.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001  # no singularity
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)  # [dim // 2]
-    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)  # [dim // 2]
-    extrapolation = 1 - ramp  # weight of the unscaled frequency
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
-    return inv_freq, float(attention_factor)
-
-
 def deepseek_softmax_scale(config: Any) -> float:
     """``(P + R) ** -0.5``, times ``yarn_mscale(factor, mscale_all_dim) ** 2`` for scaled rope with
     ``mscale_all_dim`` (transformers' ``yarn_apply_mscale``)."""
     scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
     _, scaling = rope_config(config)
     if scaling is not None and scaling.get("mscale_all_dim"):
-        m = yarn_mscale(_yarn_factor(scaling, config.max_position_embeddings), scaling["mscale_all_dim"])
+        m = yarn_mscale(yarn_factor(scaling, config.max_position_embeddings), scaling["mscale_all_dim"])
         scale *= m * m
     return scale
 

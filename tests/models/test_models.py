@@ -440,3 +440,34 @@ def test_partial_rotary_is_refused(tmp_path: Path) -> None:
     )
     with pytest.raises(ValueError, match="partial_rotary_factor"):
         load_ours(path)
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+        {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, "beta_fast": 16,
+         "beta_slow": 2, "attention_factor": 1.3},  # fmt: skip
+        {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 64, "mscale": 0.707,
+         "mscale_all_dim": 0.707, "truncate": False},  # fmt: skip
+    ],
+)
+def test_yarn_rope_matches_transformers(scaling: dict) -> None:
+    """``rope_type: yarn`` (Qwen long-context configs, GPT-OSS; DeepSeek's own rotary uses the same frequencies):
+    frequencies and the cos/sin factor equal transformers' ``_compute_yarn_parameters``."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from pagedllm.layers.rotary import get_rope, rope_config
+
+    config = LlamaConfig(
+        hidden_size=64, num_attention_heads=2, max_position_embeddings=256,
+        rope_parameters={"rope_theta": 10000.0, **scaling},
+    )  # fmt: skip
+    want_freq, want_factor = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    theta, parsed = rope_config(config)
+    rope = get_rope(32, 256, theta, parsed)
+    positions = torch.arange(256, dtype=torch.float32)
+    freqs = torch.outer(positions, want_freq.float())
+    want = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * want_factor
+    torch.testing.assert_close(rope.cos_sin_cache, want, atol=1e-6, rtol=1e-6)
