@@ -340,9 +340,13 @@ class ParallelConfig:
     # Ranks one model is sharded over (pagedllm/distributed): worker processes on this node.
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # "mp" (the only one so far) or None
+    # Stages the decoder layers are split over, each of tensor_parallel_size ranks (pagedllm/distributed).
+    pipeline_parallel_size: int = 1
+    # Decoder layers per stage; None: make_engine_config fills in vLLM's even split (or VLLM_PP_LAYER_PARTITION).
+    pp_layer_partition: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("data_parallel_size", "tensor_parallel_size"):
+        for name in ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size"):
             d = getattr(self, name)
             if isinstance(d, bool) or not isinstance(d, int) or d < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {d!r}")
@@ -351,6 +355,11 @@ class ParallelConfig:
                 f"distributed_executor_backend {self.distributed_executor_backend!r} is not supported yet "
                 "(only 'mp': worker processes on this node)"
             )
+
+    @property
+    def world_size(self) -> int:
+        """Ranks (processes, GPUs) one engine uses: ``pipeline_parallel_size * tensor_parallel_size``."""
+        return self.pipeline_parallel_size * self.tensor_parallel_size
 
 
 @dataclass
@@ -388,6 +397,37 @@ class EngineConfig:
         return self.parallel_config.data_parallel_size
 
 
+def _check_pipeline_parallel(
+    parallel_config: ParallelConfig,
+    model_config: ModelConfig,
+    spec: SpeculativeConfig | None,
+    lora_config: LoRAConfig | None,
+) -> None:
+    """``ValueError`` naming ``pipeline_parallel_size`` for what pipeline parallelism does not support yet; fills
+    ``parallel_config.pp_layer_partition`` (vLLM's even split, or ``VLLM_PP_LAYER_PARTITION``)."""
+    from pagedllm.distributed.parallel_state import (
+        PP_LAYER_PARTITION_ENV,
+        pp_layer_partition,
+        verify_pp_config,
+    )
+
+    pp = parallel_config.pipeline_parallel_size
+    for what, used in (
+        ("speculative_config", spec is not None),
+        ("enable_lora", lora_config is not None),
+        ("quantization", model_config.quant_config is not None),
+        ("data_parallel_size > 1", parallel_config.data_parallel_size > 1),
+    ):
+        if used:
+            raise ValueError(f"{what} with pipeline_parallel_size > 1 is not supported yet")
+    verify_pp_config(model_config.hf_config, pp)  # the architecture, and no more stages than layers
+    if parallel_config.pp_layer_partition is None:
+        parallel_config.pp_layer_partition = pp_layer_partition(
+            model_config.num_layers, pp, os.environ.get(PP_LAYER_PARTITION_ENV)
+        )
+    verify_pp_config(model_config.hf_config, pp, parallel_config.pp_layer_partition)
+
+
 def make_engine_config(
     model: str,
     *,
@@ -416,6 +456,7 @@ def make_engine_config(
     speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
     data_parallel_size: int = 1,
     tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
     distributed_executor_backend: str | None = None,
     quantization: str | None = None,
     enable_lora: bool = False,
@@ -469,13 +510,21 @@ def make_engine_config(
         if async_scheduling is None
         else async_scheduling,
     )
-    parallel_config = ParallelConfig(data_parallel_size, tensor_parallel_size, distributed_executor_backend)
+    parallel_config = ParallelConfig(
+        data_parallel_size,
+        tensor_parallel_size,
+        distributed_executor_backend,
+        pipeline_parallel_size=pipeline_parallel_size,
+    )
+    if pipeline_parallel_size > 1:
+        _check_pipeline_parallel(parallel_config, model_config, spec, lora_config)
     if tensor_parallel_size > 1:
         from pagedllm.distributed.parallel_state import verify_tp_config
 
         verify_tp_config(model_config.hf_config, tensor_parallel_size)  # ValueError naming the field
         if spec is not None:
             raise ValueError("speculative_config with tensor_parallel_size > 1 is not supported yet")
+    if parallel_config.world_size > 1:
         # The workers need step N's sampled tokens before step N+1 (see pagedllm/distributed/executor.py).
         scheduler_config.async_scheduling = False
     if spec is not None:

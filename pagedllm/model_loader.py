@@ -19,6 +19,9 @@ layers without them keep 1.0.
 
 Tensor parallelism: ``get_model(..., tp=group)`` builds this rank's part of the model (``pagedllm.distributed``);
 each parameter's loader copies only its rank's slice of each checkpoint tensor, read one tensor at a time.
+
+Pipeline parallelism: ``get_model(..., pp=stage)`` builds the stage's modules only; checkpoint tensors of modules
+another stage owns (``PPMissingLayer``: other stages' layers, the embedding, norm or LM head) are skipped.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ from torch import nn
 
 from pagedllm.attention.base import AttentionBackend
 from pagedllm.config import ModelConfig
-from pagedllm.distributed.parallel_state import TPGroup, verify_tp_config
+from pagedllm.distributed.parallel_state import PPGroup, TPGroup, verify_pp_config, verify_tp_config
+from pagedllm.distributed.pipeline import PPMissingLayer
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.linear import Linear, default_weight_loader, deferred_linear_weights
 from pagedllm.models.registry import get_model_class
@@ -58,11 +62,13 @@ def get_model(
     device: torch.device,
     attn_backend: AttentionBackend,
     tp: TPGroup | None = None,
+    pp: PPGroup | None = None,
 ) -> nn.Module:
     """Instantiate ``hf_config.architectures[0]`` in ``model_config.dtype`` on ``device``, load weights, eval().
 
     ``tp``: this rank's tensor-parallel group (one rank when None); the config is checked against its size
-    first (``ValueError`` naming the field that does not split)."""
+    first (``ValueError`` naming the field that does not split). ``pp``: this rank's pipeline stage (the whole
+    model when None); ``ValueError`` naming ``pipeline_parallel_size`` when the architecture cannot be split."""
     hf_config = model_config.hf_config
     architectures = getattr(hf_config, "architectures", None) or []
     if not architectures:
@@ -75,6 +81,11 @@ def get_model(
         if quant_config is not None:
             raise ValueError("quantized models do not support tensor_parallel_size > 1 yet")
         tp_kwargs["tp"] = tp
+    if pp is not None and pp.size > 1:
+        verify_pp_config(hf_config, pp.size, pp.partition)
+        if quant_config is not None:
+            raise ValueError("quantized models do not support pipeline_parallel_size > 1 yet")
+        tp_kwargs["pp"] = pp
     with _default_dtype(model_config.dtype), torch.device(device):
         if quant_config is None:
             model = model_cls(hf_config, attn_backend, **tp_kwargs)
@@ -174,6 +185,13 @@ def _load_kv_scale(attn: Attention, which: str, tensor: torch.Tensor, ckpt_name:
         raise ValueError(f"bad KV-cache scale {ckpt_name!r}: {e}") from e
 
 
+def _owned_by(name: str, modules: set[str]) -> bool:
+    """Whether checkpoint tensor ``name`` lies under one of ``modules`` (``model.layers.3.mlp.up_proj.weight`` under
+    ``model.layers.3``)."""
+    parts = name.split(".")
+    return any(".".join(parts[:i]) in modules for i in range(1, len(parts)))
+
+
 def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
     """Copy checkpoint tensors into ``model``; ``ValueError`` on unexpected, missing or mis-shaped ones."""
     params, aliases = _param_aliases(model)
@@ -181,8 +199,11 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
     loaded: dict[str, set[int | None]] = {}  # canonical name -> shards filled
     unexpected: list[str] = []
     attn_layers = {name: m for name, m in model.named_modules() if isinstance(m, Attention)}
+    absent = {name for name, m in model.named_modules() if isinstance(m, PPMissingLayer)}  # other stages'
     for ckpt_name, tensor in weights:
         if ckpt_name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if absent and _owned_by(ckpt_name, absent):
             continue
         kv_scale = _kv_scale_target(ckpt_name, attn_layers)
         if kv_scale is not None:

@@ -1,5 +1,7 @@
-"""Tensor-parallel execution on one node (``distributed_executor_backend="mp"``): rank 0 is the engine core's
-own ``ModelRunner``; ranks 1..T-1 are worker processes, each with its ``ModelRunner`` over its shard.
+"""Tensor- and pipeline-parallel execution on one node (``distributed_executor_backend="mp"``): rank 0 is the
+engine core's own ``ModelRunner``; ranks 1..W-1 (``W = pipeline_parallel_size * tensor_parallel_size``) are worker
+processes, each with its ``ModelRunner`` over its shard (rank ``g`` = TP rank ``g % T`` of stage ``g // T``, see
+pagedllm/distributed/parallel_state.py).
 
 The scheduler runs once (in the engine core). Each runner call is mirrored on every rank through a gloo
 "control" group: rank 0 broadcasts ``(method, args)`` with ``broadcast_object_list``, then every rank runs it, so
@@ -11,6 +13,19 @@ along with the next ``launch`` so the workers' persistent batches stay identical
 
 Scheduling is synchronous under TP (the workers need step N's tokens before step N+1). A worker that dies makes
 rank 0's next collective fail, which ends the engine core (the server then answers 503).
+
+Pipeline parallelism (P > 1 stages): every rank still gets each ``launch`` from rank 0 and runs its stage's layers;
+activations go stage to stage by send/recv (pagedllm/distributed/pipeline.py). The *sampler*, TP rank 0 of the last
+stage (global rank ``(P - 1) * T``), samples and reads the tokens back; a gloo "link" group of ranks {0, sampler}
+carries the step's grammar bitmask there and its ``ModelRunnerOutput`` back. Every other rank, rank 0 included,
+appends the sampled tokens that ride along with the next ``launch``::
+
+    rank 0 (stage 0):  launch(N): broadcast, layers, send ──► ... ──► sampler: recv, layers, logits
+                       sample(N):  bitmask ───────────── link ─────► sample, collect
+                       collect(N): ModelRunnerOutput ◄── link ────── (tokens go out with launch N+1)
+
+Synchronous scheduling and eager steps, as under TP. Speculative decoding, LoRA and quantized models are refused
+with pipeline_parallel_size > 1 (pagedllm/config.py).
 
 Multi-LoRA: every rank has its own ``LoRAManager`` over its shard (pagedllm/lora/layers.py says which part of an
 adapter each layer keeps). The engine core's ``add_lora`` / ``remove_lora`` reach every rank in the same order
@@ -38,17 +53,36 @@ logger = logging.getLogger(__name__)
 TIMEOUT_S = 600.0  # a collective a peer never joins fails after this
 
 
-def _join(config: EngineConfig, rank: int, init_file: str) -> tuple[Any, Any]:
-    """Join the process group; return (this rank's TPGroup, the gloo control group)."""
-    from pagedllm.distributed.parallel_state import init_tp_group
+def _sampler_rank(config: EngineConfig) -> int:
+    """The global rank that samples: TP rank 0 of the last pipeline stage (rank 0 without pipeline parallelism)."""
+    pc = config.parallel_config
+    return (pc.pipeline_parallel_size - 1) * pc.tensor_parallel_size
 
-    size = config.parallel_config.tensor_parallel_size
+
+def _join(config: EngineConfig, rank: int, init_file: str) -> tuple[Any, Any, Any, Any]:
+    """Join the process group; return (this rank's TPGroup, its PPGroup, the gloo control group over every rank,
+    the gloo link group of ranks {0, sampler} or None without pipeline parallelism)."""
+    from pagedllm.distributed.parallel_state import init_parallel_groups
+
+    pc = config.parallel_config
     if config.device_config.device.type == "cuda":
         torch.cuda.set_device(rank)
     backend = "nccl" if config.device_config.device.type == "cuda" else "gloo"
-    tp = init_tp_group(size, rank, f"file://{init_file}", backend=backend, timeout_s=TIMEOUT_S)
-    control = dist.new_group(list(range(size)), backend="gloo")
-    return tp, control
+    tp, pp = init_parallel_groups(
+        pc.tensor_parallel_size,
+        pc.pipeline_parallel_size,
+        rank,
+        f"file://{init_file}",
+        backend=backend,
+        timeout_s=TIMEOUT_S,
+        partition=pc.pp_layer_partition,
+    )
+    # Creating groups is collective: every rank makes both, in this order.
+    control = dist.new_group(list(range(pc.world_size)), backend="gloo")
+    link = None
+    if pp.size > 1:
+        link = dist.new_group([0, _sampler_rank(config)], backend="gloo")
+    return tp, pp, control, link
 
 
 def _rank_config(config: EngineConfig, rank: int) -> EngineConfig:
@@ -64,9 +98,10 @@ def _rank_config(config: EngineConfig, rank: int) -> EngineConfig:
 def _worker_main(config: EngineConfig, rank: int, init_file: str) -> None:
     from pagedllm.worker.model_runner import ModelRunner
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.parallel_config.tensor_parallel_size))
-    tp, control = _join(config, rank, init_file)
-    runner = ModelRunner(_rank_config(config, rank), tp=tp)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.parallel_config.world_size))
+    tp, pp, control, link = _join(config, rank, init_file)
+    runner = ModelRunner(_rank_config(config, rank), tp=tp, pp=pp)
+    samples = link is not None and rank == _sampler_rank(config)  # this rank samples for rank 0
     try:
         while True:
             msg = [None]
@@ -77,8 +112,11 @@ def _worker_main(config: EngineConfig, rank: int, init_file: str) -> None:
             if method == "launch":
                 sched, sampled, lora_slots = args
                 _check_lora_slots(runner, rank, lora_slots)
-                runner.apply_sampled(sampled)
-                runner.launch(sched)
+                if not samples:
+                    runner.apply_sampled(sampled)
+                step = runner.launch(sched)
+                if samples:
+                    _sample_for_rank0(runner, step, link, rank)
             elif method in ("add_lora", "remove_lora"):
                 error = None
                 try:
@@ -93,6 +131,15 @@ def _worker_main(config: EngineConfig, rank: int, init_file: str) -> None:
                 getattr(runner, method)(*args)
     finally:
         dist.destroy_process_group()
+
+
+def _sample_for_rank0(runner: Any, step: Any, link: Any, rank: int) -> None:
+    """The sampler's half of ``MultiprocRunner.sample`` / ``collect``: wait for the step's grammar bitmask (or None)
+    from rank 0, sample, send the step's ``ModelRunnerOutput`` back."""
+    msg: list[Any] = [None]
+    dist.broadcast_object_list(msg, src=0, group=link)
+    runner.sample(step, msg[0])
+    dist.broadcast_object_list([runner.collect(step)], src=rank, group=link)
 
 
 def _check_lora_slots(runner: Any, rank: int, expected: list[tuple[int, int]] | None) -> None:
@@ -134,16 +181,23 @@ class TPLoRAManager:
         return self._local.remove_lora(lora_int_id)
 
 
-class TensorParallelRunner:
-    """``ModelRunner``'s interface over T ranks (attributes not defined here are rank 0's runner's)."""
+class MultiprocRunner:
+    """``ModelRunner``'s interface over ``P * T`` ranks (attributes not defined here are rank 0's runner's)."""
 
     def __init__(self, config: EngineConfig) -> None:
         from pagedllm.worker.model_runner import ModelRunner
 
-        size = config.parallel_config.tensor_parallel_size
+        pc = config.parallel_config
+        size = pc.world_size
+        if dist.is_initialized():
+            raise RuntimeError(
+                "this process already belongs to a torch.distributed group (another tensor/pipeline-parallel "
+                "engine): shut that engine down before starting another"
+            )
         if config.device_config.device.type == "cuda" and size > torch.cuda.device_count():
             raise ValueError(
-                f"tensor_parallel_size={size} needs {size} GPUs; {torch.cuda.device_count()} visible"
+                f"tensor_parallel_size={pc.tensor_parallel_size} x pipeline_parallel_size="
+                f"{pc.pipeline_parallel_size} needs {size} GPUs; {torch.cuda.device_count()} visible"
             )
         self._dir = tempfile.mkdtemp(prefix="pagedllm-tp-")
         init_file = os.path.join(self._dir, "init")
@@ -154,11 +208,22 @@ class TensorParallelRunner:
         ]
         for w in self.workers:
             w.start()
-        tp, self._control = _join(config, 0, init_file)
-        self.runner = ModelRunner(_rank_config(config, 0), tp=tp)
+        tp, pp, self._control, self._link = _join(config, 0, init_file)
+        self.runner = ModelRunner(_rank_config(config, 0), tp=tp, pp=pp)
         self._sampled: dict[str, list[int]] = {}  # rank 0's last collected tokens, for the workers
         self._stopped = False
         self._size = size
+        # Pipeline parallelism: the sampler's rank, and the launched step still owed its bitmask / output exchange.
+        self._sampler = _sampler_rank(config)
+        self._unsampled: Any = None
+        self._uncollected: Any = None
+        if self._link is not None:
+            logger.info(
+                "pipeline parallel: %d stages of %d tensor-parallel ranks, decoder layers per stage %s",
+                pp.size,
+                tp.size,
+                list(pc.pp_layer_partition or ()),
+            )
         local_lora = self.runner.lora_manager
         self.lora_manager = None if local_lora is None else TPLoRAManager(local_lora, self)
 
@@ -192,19 +257,41 @@ class TensorParallelRunner:
         self.runner.init_kv_cache(num_blocks)
 
     def maybe_capture_cuda_graphs(self) -> None:
-        logger.info("tensor parallel: CUDA graphs are not captured yet (eager steps)")
+        kind = "tensor/pipeline" if self._link is not None else "tensor"
+        logger.info("%s parallel: CUDA graphs are not captured yet (eager steps)", kind)
 
     def launch(self, sched: Any) -> Any:
+        if self._uncollected is not None:  # the engine always collects; never leave the sampler waiting
+            self.collect(self._uncollected)
         lora = self.runner.lora_manager
         self._broadcast("launch", sched, self._sampled, None if lora is None else lora.slot_table())
+        if self._link is not None:  # the sampler is another rank: append its tokens here too
+            self.runner.apply_sampled(self._sampled)
         self._sampled = {}
-        return self.runner.launch(sched)
+        step = self.runner.launch(sched)
+        if self._link is not None:
+            self._unsampled = self._uncollected = step
+        return step
 
     def sample(self, step: Any, grammar_bitmask: Any = None) -> None:
-        self.runner.sample(step, grammar_bitmask)
+        """Sample ``step``; under pipeline parallelism the sampler does, once it has the bitmask sent here."""
+        if self._link is None:
+            self.runner.sample(step, grammar_bitmask)
+        elif step is self._unsampled:
+            self._unsampled = None
+            dist.broadcast_object_list([grammar_bitmask], src=0, group=self._link)
 
     def collect(self, step: Any) -> Any:
-        out = self.runner.collect(step)
+        if self._link is None:
+            out = self.runner.collect(step)
+        elif step is self._uncollected:
+            self.sample(step)  # no-op unless the engine skipped sample()
+            msg: list[Any] = [None]
+            dist.broadcast_object_list(msg, src=self._sampler, group=self._link)
+            out = step.output = msg[0]  # rank 0's own runner reads it from there (collect is idempotent)
+            self._uncollected = None
+        else:
+            return self.runner.collect(step)  # collected before: the same output
         for req_id, tokens in out.sampled_token_ids.items():
             if tokens:
                 self._sampled[req_id] = list(tokens)
@@ -224,3 +311,6 @@ class TensorParallelRunner:
                 w.kill()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+TensorParallelRunner = MultiprocRunner  # the name before pipeline parallelism

@@ -1,12 +1,21 @@
-"""The tensor-parallel (TP) group of this process, as a small object handed to layers at construction.
+"""The tensor-parallel (TP) group and pipeline stage (PP) of this process, as small objects handed to the model
+at construction.
 
 One process per rank. ``init_tp_group`` joins torch.distributed (gloo on CPU, nccl on CUDA) and returns a
 ``TPGroup``; ``TPGroup.single()`` (what layers use when given none) is the one-rank group, with no process
 group at all, so a single-GPU or CPU engine never touches torch.distributed. There is no process-wide
 default: whoever builds the model (``model_loader.get_model(..., tp=...)``) passes the group down.
 
-Ranks ``[k * tp_size, (k + 1) * tp_size)`` of the world form TP group ``k`` (the world is one TP group until
-pipeline or data parallelism arrive).
+A world of ``P * T`` ranks (``P = pipeline_parallel_size``, ``T = tensor_parallel_size``) is ordered as vLLM
+orders it: global rank ``g = s * T + t`` is TP rank ``t`` of pipeline stage ``s``, so ranks ``[s * T, (s + 1) * T)``
+form the TP group of stage ``s``. A rank sends its stage's activations to the rank with the same ``t`` in stage
+``s + 1``::
+
+    P = 2, T = 2:    stage 0: ranks 0 1   --send/recv-->   stage 1: ranks 2 3
+                              (TP group)                            (TP group)
+
+Stage ``s`` owns decoder layers ``[start_s, end_s)`` (``pp_layer_partition``); the first stage also the embedding,
+the last one the final norm and the LM head (see pagedllm/distributed/pipeline.py).
 
 What is split (``T = tp_size``, rank ``r``):
 
@@ -20,6 +29,7 @@ What is split (``T = tp_size``, rank ``r``):
 from __future__ import annotations
 
 import datetime
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +105,151 @@ def init_tp_group(
             mine = TPGroup(rank=rank - start, size=tp_size, group=group)
     assert mine is not None
     return mine
+
+
+@dataclass(frozen=True)
+class PPGroup:
+    """This process's pipeline stage (``rank`` of ``size``) and where its activations come from and go to.
+
+    ``partition``: decoder layers per stage (``pp_layer_partition``); None: the even split of whatever
+    ``num_hidden_layers`` the model has. ``tp_rank`` / ``tp_size`` place the process in the world
+    (``global rank = rank * tp_size + tp_rank``); ``PPGroup(rank, size)`` without a process group can build a
+    stage's part of a model (tests do) but not exchange activations."""
+
+    rank: int  # pipeline stage, 0 <= rank < size
+    size: int
+    partition: tuple[int, ...] | None = None  # [size] decoder layers per stage
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"invalid pipeline-parallel rank {self.rank} of size {self.size}")
+        if self.partition is not None and len(self.partition) != self.size:
+            raise ValueError(
+                f"a partition of {len(self.partition)} stages for pipeline_parallel_size {self.size}"
+            )
+
+    @classmethod
+    def single(cls) -> PPGroup:
+        return cls(rank=0, size=1)
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.size - 1
+
+    @property
+    def prev_rank(self) -> int:
+        """Global rank this stage receives activations from (not for the first stage)."""
+        assert not self.is_first
+        return (self.rank - 1) * self.tp_size + self.tp_rank
+
+    @property
+    def next_rank(self) -> int:
+        """Global rank this stage sends activations to (not for the last stage)."""
+        assert not self.is_last
+        return (self.rank + 1) * self.tp_size + self.tp_rank
+
+    def layer_range(self, num_layers: int) -> tuple[int, int]:
+        """``(start, end)``: this stage's decoder layers are ``[start, end)`` of ``num_layers``."""
+        partition = (
+            self.partition if self.partition is not None else pp_layer_partition(num_layers, self.size)
+        )
+        if sum(partition) != num_layers:
+            raise ValueError(f"the pipeline partition {list(partition)} does not cover {num_layers} layers")
+        start = sum(partition[: self.rank])
+        return start, start + partition[self.rank]
+
+
+PP_LAYER_PARTITION_ENV = "VLLM_PP_LAYER_PARTITION"  # vLLM's override: "4,6,6,4" layers per stage
+
+
+def pp_layer_partition(num_layers: int, pp_size: int, override: str | None = None) -> tuple[int, ...]:
+    """Decoder layers per pipeline stage, as vLLM splits them: ``num_layers // pp_size`` each, and the remainder one
+    more each to the stages before the last, from the second-to-last backwards (the last stage also runs the LM
+    head): 5 layers over 3 stages -> (2, 2, 1). ``override`` (``VLLM_PP_LAYER_PARTITION``, "2,3") fixes the split.
+
+    ``ValueError`` naming ``pipeline_parallel_size`` when a stage would get no layer or the override does not add
+    up."""
+    if pp_size > num_layers:
+        raise ValueError(
+            f"pipeline_parallel_size ({pp_size}) must not exceed the model's num_hidden_layers ({num_layers}): "
+            "every stage needs at least one layer"
+        )
+    if override is not None and override.strip():
+        try:
+            parts = tuple(int(x) for x in override.split(","))
+        except ValueError:
+            raise ValueError(
+                f"{PP_LAYER_PARTITION_ENV}={override!r}: expected comma-separated layer counts such as '4,6,6,4'"
+            ) from None
+        if len(parts) != pp_size or sum(parts) != num_layers or min(parts) < 1:
+            raise ValueError(
+                f"{PP_LAYER_PARTITION_ENV}={override!r} must give {pp_size} positive layer counts "
+                f"(pipeline_parallel_size) adding up to num_hidden_layers ({num_layers})"
+            )
+        return parts
+    base, extra = divmod(num_layers, pp_size)
+    parts = [base] * pp_size
+    for stage in range(pp_size - 1 - extra, pp_size - 1):  # extra <= pp_size - 1 stages before the last
+        parts[stage] += 1
+    return tuple(parts)
+
+
+# Architectures whose model body builds only its stage's layers (pagedllm/models/llama.py's LlamaModel).
+PP_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",
+    "GemmaForCausalLM",
+)
+
+
+def verify_pp_config(hf_config: Any, pp_size: int, partition: Sequence[int] | None = None) -> None:
+    """Start-up check that the model can be split over ``pp_size`` pipeline stages; ``ValueError`` naming
+    ``pipeline_parallel_size`` (an architecture without pipeline support, more stages than layers)."""
+    if isinstance(pp_size, bool) or not isinstance(pp_size, int) or pp_size < 1:
+        raise ValueError(f"pipeline_parallel_size must be a positive integer, got {pp_size!r}")
+    if pp_size == 1:
+        return
+    archs = getattr(hf_config, "architectures", None) or []
+    arch = archs[0] if archs else None
+    if arch not in PP_ARCHITECTURES:
+        raise ValueError(
+            f"pipeline_parallel_size > 1 is not supported for {arch} yet (supported: {', '.join(PP_ARCHITECTURES)})"
+        )
+    num_layers = int(hf_config.num_hidden_layers)
+    if partition is None:
+        pp_layer_partition(num_layers, pp_size)
+    elif len(partition) != pp_size or sum(partition) != num_layers or min(partition) < 1:
+        raise ValueError(
+            f"pipeline partition {list(partition)} must give {pp_size} stages (pipeline_parallel_size) at least one "
+            f"layer each, adding up to num_hidden_layers ({num_layers})"
+        )
+
+
+def init_parallel_groups(
+    tp_size: int,
+    pp_size: int,
+    rank: int,
+    init_method: str,
+    backend: str | None = None,
+    timeout_s: float = 600.0,
+    partition: tuple[int, ...] | None = None,
+) -> tuple[TPGroup, PPGroup]:
+    """Join a world of ``pp_size * tp_size`` ranks; return global ``rank``'s TP group and pipeline stage
+    (collective: every rank of the world calls it). See ``init_tp_group`` for ``init_method`` and ``backend``."""
+    tp = init_tp_group(tp_size, rank, init_method, backend, world_size=tp_size * pp_size, timeout_s=timeout_s)
+    pp = PPGroup(
+        rank=rank // tp_size, size=pp_size, partition=partition, tp_rank=rank % tp_size, tp_size=tp_size
+    )
+    return tp, pp
 
 
 def destroy_distributed() -> None:

@@ -63,6 +63,14 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
         default=1,
         help="shard the model over this many ranks (worker processes on this node; GPUs cuda:0..T-1)",
     )
+    parser.add_argument(
+        "--pipeline-parallel-size",
+        "-pp",
+        type=int,
+        default=1,
+        help="split the model's layers over this many stages, each of --tensor-parallel-size ranks (worker "
+        "processes on this node; GPUs cuda:0..P*T-1)",
+    )
     parser.add_argument("--distributed-executor-backend", default=None, choices=[None, "mp"])
     parser.add_argument(
         "--data-parallel-size",
@@ -143,6 +151,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         speculative_config=getattr(args, "speculative_config", None),
         data_parallel_size=getattr(args, "data_parallel_size", 1),
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+        pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1),
         distributed_executor_backend=getattr(args, "distributed_executor_backend", None),
         served_model_name=getattr(args, "served_model_name", None),
         enable_lora=getattr(args, "enable_lora", False),

@@ -32,10 +32,10 @@ class EngineCore:
         self._tokenizer = tokenizer
         self.structured: StructuredOutputManager | None = None  # created at the first constrained request
         t0 = time.perf_counter()
-        if config.parallel_config.tensor_parallel_size > 1:
-            from pagedllm.distributed.executor import TensorParallelRunner
+        if config.parallel_config.world_size > 1:
+            from pagedllm.distributed.executor import MultiprocRunner
 
-            self.runner = TensorParallelRunner(config)  # rank 0 here, the other ranks in worker processes
+            self.runner = MultiprocRunner(config)  # rank 0 here, the other ranks in worker processes
         else:
             self.runner = ModelRunner(config)
         self.proposer = None

@@ -2,6 +2,9 @@
 
 Variants differ only in their attention block (``attention_cls``); everything else is shared. That block also
 says which layers attend over a sliding window (``LlamaAttention.layer_sliding_window``).
+
+Pipeline parallelism (``pp``): a stage builds only its layer range, the first stage the embedding, the last the
+final norm and LM head; the rest are ``PPMissingLayer`` (pagedllm/distributed/pipeline.py).
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ import torch
 from torch import nn
 
 from pagedllm.attention.base import AttentionBackend, AttentionMetadata
-from pagedllm.distributed.parallel_state import TPGroup
+from pagedllm.distributed.parallel_state import PPGroup, TPGroup
+from pagedllm.distributed.pipeline import IntermediateTensors, PPMissingLayer
 from pagedllm.layers.activation import get_act_and_mul
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.embedding import LMHead, VocabEmbedding
@@ -207,6 +211,11 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     norm_cls: type[RMSNorm] = RMSNorm
     aux_hidden_state_layers: tuple[int, ...] = ()  # set on the instance for an EAGLE-3 draft
+    # This pipeline stage's layers are [start_layer, end_layer) (None: to the end); bodies that build every layer
+    # themselves (the MoE models) keep these defaults: one stage.
+    start_layer: int = 0
+    end_layer: int | None = None
+    is_last_stage: bool = True
 
     def __init__(
         self,
@@ -214,35 +223,57 @@ class LlamaModel(nn.Module):
         attn_backend: AttentionBackend,
         attention_cls: type[LlamaAttention],
         tp: TPGroup | None = None,
+        pp: PPGroup | None = None,
     ) -> None:
         super().__init__()
+        pp = PPGroup.single() if pp is None else pp
         norm_cls = self.norm_cls
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp=tp)
+        self.start_layer, self.end_layer = pp.layer_range(config.num_hidden_layers)
+        self.is_last_stage = pp.is_last
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        # The last stage keeps a tied embedding as its LM head's weight.
+        if pp.is_first or (pp.is_last and tied):
+            self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp=tp)
+        else:
+            self.embed_tokens = PPMissingLayer()
         theta, rope_scaling = rope_config(config)
         rotary_emb = get_rope(head_dim_of(config), config.max_position_embeddings, theta, rope_scaling)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, attn_backend, rotary_emb, attention_cls, norm_cls, tp=tp)
+            if self.start_layer <= i < self.end_layer
+            else PPMissingLayer()
             for i in range(config.num_hidden_layers)
         )
-        self.norm = norm_cls(config.hidden_size, config.rms_norm_eps)
+        self.norm = norm_cls(config.hidden_size, config.rms_norm_eps) if pp.is_last else PPMissingLayer()
 
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
+        kv_caches: list[torch.Tensor],  # per own layer [2, num_blocks, block_size, num_kv_heads, head_dim]
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [T, hidden_size] (+ [T, A * hidden_size])
-        """The final hidden states; with ``aux_hidden_state_layers`` set (an EAGLE-3 draft reads them), also the
-        residual stream entering each of those layers, concatenated."""
-        hidden = self.embed(input_ids)  # [T, hidden_size]
-        residual = None
+        intermediate: IntermediateTensors | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | IntermediateTensors:
+        """The final hidden states ``[T, hidden_size]``; with ``aux_hidden_state_layers`` set (an EAGLE-3 draft
+        reads them), also the residual stream entering each of those layers, concatenated ``[T, A * hidden_size]``.
+
+        Pipeline stages: the first embeds ``input_ids``, the others start from ``intermediate`` (the previous
+        stage's output); ``kv_caches`` holds this stage's layers only; a stage before the last returns its
+        ``IntermediateTensors`` instead of normed hidden states."""
+        if intermediate is None:
+            hidden = self.embed(input_ids)  # [T, hidden_size]
+            residual = None
+        else:
+            hidden, residual = intermediate.hidden, intermediate.residual
         aux_layers = self.aux_hidden_state_layers
         aux = []
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+        end = len(self.layers) if self.end_layer is None else self.end_layer
+        for i, kv_cache in zip(range(self.start_layer, end), kv_caches, strict=True):
             if i in aux_layers:
                 aux.append(hidden if residual is None else hidden + residual)
-            hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
+            hidden, residual = self.layers[i](positions, hidden, residual, kv_cache, attn_metadata)
+        if not self.is_last_stage:
+            return IntermediateTensors(hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         if aux:
             return hidden, torch.cat(aux, dim=-1)
@@ -261,10 +292,22 @@ class LlamaForCausalLM(nn.Module):
         "gate_up_proj": ["gate_proj", "up_proj"],
     }
 
-    def __init__(self, config: Any, attn_backend: AttentionBackend, tp: TPGroup | None = None) -> None:
+    def __init__(
+        self,
+        config: Any,
+        attn_backend: AttentionBackend,
+        tp: TPGroup | None = None,
+        pp: PPGroup | None = None,
+    ) -> None:
+        """``pp``: this rank's pipeline stage (the whole model when None); only bodies built by ``LlamaModel``
+        take one (pagedllm.distributed.parallel_state.PP_ARCHITECTURES)."""
         super().__init__()
         self.config = config
-        self.model = self.model_cls(config, attn_backend, self.attention_cls, tp=tp)
+        pp_kwargs = {} if pp is None or pp.size == 1 else {"pp": pp}
+        self.model = self.model_cls(config, attn_backend, self.attention_cls, tp=tp, **pp_kwargs)
+        if pp is not None and not pp.is_last:
+            self.lm_head = PPMissingLayer()
+            return
         tied = self.model.embed_tokens if getattr(config, "tie_word_embeddings", False) else None
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied, tp=tp)
 
@@ -272,10 +315,14 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
+        kv_caches: list[torch.Tensor],  # per own layer [2, num_blocks, block_size, num_kv_heads, head_dim]
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, hidden_size]
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+        intermediate: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:  # [T, hidden_size], or what a stage before the last hands on
+        """``intermediate``: the previous pipeline stage's output (None on the first stage)."""
+        if intermediate is None:
+            return self.model(input_ids, positions, kv_caches, attn_metadata)
+        return self.model(input_ids, positions, kv_caches, attn_metadata, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden_size] -> [N, vocab] float32
         return self.lm_head(hidden)

@@ -60,8 +60,9 @@ class StepInFlight:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, tp: Any = None) -> None:
-        """``tp``: this rank's ``TPGroup`` under tensor parallelism (pagedllm/distributed/executor.py)."""
+    def __init__(self, config: EngineConfig, tp: Any = None, pp: Any = None) -> None:
+        """``tp``: this rank's ``TPGroup`` under tensor parallelism; ``pp``: its ``PPGroup`` (pipeline stage) under
+        pipeline parallelism (pagedllm/distributed/executor.py)."""
         from pagedllm.model_loader import get_model
 
         self.config = config
@@ -77,7 +78,8 @@ class ModelRunner:
         self.attn_backend = get_attention_backend(self.device, config.attention_backend)
         torch.manual_seed(mc.seed)
         t0 = time.perf_counter()
-        self.model = get_model(mc, self.device, self.attn_backend, tp=tp)
+        self.pp = pp if pp is not None and pp.size > 1 else None  # None: the whole model here
+        self.model = get_model(mc, self.device, self.attn_backend, tp=tp, pp=self.pp)
         self.tp_size = 1 if tp is None else tp.size
         self.num_kv_heads = local_num_kv_heads(mc.num_kv_heads, self.tp_size)  # this rank's
         logger.info(
@@ -147,7 +149,9 @@ class ModelRunner:
         if declared is not None:
             return declared(num_blocks, self.block_size)
         mc = self.config.model_config
-        return [(2, num_blocks, self.block_size, self.num_kv_heads, mc.head_dim)] * mc.num_layers
+        start, end = (0, mc.num_layers) if self.pp is None else self.pp.layer_range(mc.num_layers)
+        shape = (2, num_blocks, self.block_size, self.num_kv_heads, mc.head_dim)
+        return [shape] * (end - start)  # this pipeline stage's layers only
 
     def kv_block_bytes(self) -> int:
         """Bytes one block takes over all layers."""
@@ -202,13 +206,15 @@ class ModelRunner:
             query_start_loc_cpu=qsl,
             seq_lens_cpu=seq_lens,
         )
-        hidden = self.model(input_ids, positions, caches, meta)
+        hidden = self._forward(input_ids, positions, caches, meta, communicate=False)
         spec = self.config.speculative_config
         logits_per_req = 1 if spec is None else 1 + spec.num_speculative_tokens  # verification: k + 1 rows
         n_logits = min(self.max_num_reqs * logits_per_req, num_tokens)
-        logits = self.model.compute_logits(hidden[:n_logits])
-        # Sampling with top-p sorts the whole vocabulary: include its working memory.
-        probs = logits.softmax(-1).sort(dim=-1)
+        logits = probs = None
+        if hidden is not None:  # None: a pipeline stage before the last (no LM head here)
+            logits = self.model.compute_logits(hidden[:n_logits])
+            # Sampling with top-p sorts the whole vocabulary: include its working memory.
+            probs = logits.softmax(-1).sort(dim=-1)
         del hidden, logits, probs, caches
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
@@ -374,12 +380,11 @@ class ModelRunner:
             if input_patch is not None:
                 dst, src, values = input_patch
                 input_ids_dev[dst] = values[src]
-            hidden = self.model(
-                input_ids_dev,
-                torch.from_numpy(positions).to(dev, non_blocking=True),
-                self.kv_caches,
-                meta,
-            )  # [num_tokens, hidden_size], or (that, aux hidden states) for an EAGLE-3 draft
+            # [num_tokens, hidden_size], or (that, aux hidden states) for an EAGLE-3 draft; None on a pipeline
+            # stage before the last
+            hidden = self._forward(
+                input_ids_dev, torch.from_numpy(positions).to(dev, non_blocking=True), self.kv_caches, meta
+            )
         if isinstance(hidden, tuple):
             hidden, step.draft_hidden = hidden
         elif self.keep_hidden:
@@ -387,7 +392,8 @@ class ModelRunner:
 
         step.req_ids = req_ids
         step.query_start = cu  # [num_reqs + 1] flattened offsets of each request's tokens
-        self._prompt_logprobs(req_ids, rows, num_computed, num_sched, cu, hidden, step.prompt_logprobs)
+        if hidden is not None:  # None: a pipeline stage before the last computes no logits
+            self._prompt_logprobs(req_ids, rows, num_computed, num_sched, cu, hidden, step.prompt_logprobs)
         # Which requests reach the end of their known tokens (and so produce one).
         sample_idx = np.nonzero((num_computed + num_sched - num_draft) == batch.num_tokens_np[rows])[0]
         if len(sample_idx) == 0:  # [num_sampled]
@@ -406,12 +412,30 @@ class ModelRunner:
                 d = int(num_draft[i])
                 if d:
                     step.spec_draft_ids[j, :d] = spec[req_ids[i]]
-        else:
+        elif hidden is not None:
             last_token = torch.from_numpy(cu[1:][sample_idx] - 1).to(dev, non_blocking=True)
             step.logits = self.model.compute_logits(hidden[last_token])  # [num_sampled, vocab_size]
         step.sample_req_ids = np.array(req_ids, dtype=object)[sample_idx].tolist()
         step.sample_rows = rows[sample_idx]  # [num_sampled]
         return step
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        communicate: bool = True,
+    ) -> Any:
+        """The model's forward; under pipeline parallelism this stage's part (``run_stage``: activations from the
+        previous stage, to the next one), which is None before the last stage."""
+        if self.pp is None:
+            return self.model(input_ids, positions, kv_caches, meta)
+        from pagedllm.distributed.pipeline import run_stage
+
+        hidden_size = self.config.model_config.hf_config.hidden_size
+        args = (input_ids, positions, kv_caches, meta, hidden_size, self.dtype, communicate)
+        return run_stage(self.model, self.pp, *args)
 
     @torch.inference_mode()
     def sample(self, step: StepInFlight, grammar_bitmask: torch.Tensor | None = None) -> None:
