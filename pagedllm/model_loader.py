@@ -77,9 +77,7 @@ def get_model(
     quant_config = getattr(model_config, "quant_config", None)
     tp_kwargs = {}
     if tp is not None and tp.size > 1:
-        verify_tp_config(hf_config, tp.size)
-        if quant_config is not None:
-            raise ValueError("quantized models do not support tensor_parallel_size > 1 yet")
+        verify_tp_config(hf_config, tp.size)  # quantized methods check their packed sizes per rank
         tp_kwargs["tp"] = tp
     if pp is not None and pp.size > 1:
         verify_pp_config(hf_config, pp.size, pp.partition)
@@ -93,7 +91,7 @@ def get_model(
             from pagedllm.quantization import quantize_model
 
             with deferred_linear_weights():
-                model = model_cls(hf_config, attn_backend)
+                model = model_cls(hf_config, attn_backend, **tp_kwargs)
             quantize_model(model, quant_config)
     if model_config.load_format == "dummy":
         init_dummy_weights(model, model_config.seed)

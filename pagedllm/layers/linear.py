@@ -10,8 +10,8 @@ Tensor parallelism (a ``TPGroup`` of ``T`` ranks, given at construction; one ran
 holds its slice of each shard (of q, of k and of v; of gate and of up); ``RowParallelLinear`` splits the input
 columns and all-reduces its output. Their loaders take whole checkpoint tensors and copy only this rank's
 slice. A layer's ``input_size`` / ``output_size`` / ``output_sizes`` / ``shard_offsets`` describe this rank's
-part (what a ``LinearMethod`` allocates); with one rank they are the whole layer, as before. Quantized methods
-load whole tensors only, so they need ``T == 1`` for now.
+part (what a ``LinearMethod`` allocates); with one rank they are the whole layer, as before. Quantized methods'
+parameters shard the same way through their own loaders (``pagedllm.quantization.base``).
 
 How a layer holds and applies its weight is its ``quant_method`` (a ``LinearMethod``): the default
 ``UnquantizedLinearMethod`` keeps a float ``weight: [output_size, input_size]``; the methods of

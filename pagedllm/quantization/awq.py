@@ -11,7 +11,8 @@ Layout of one quantized ``nn.Linear(in, out)`` (``G = in / group_size``):
 - The float weight is ``W[o, i] = (q[i, o] - zero[i // group_size, o]) * scales[i // group_size, o]``.
 
 Fused layers stack the checkpoint's tensors along the output dim (dim 1 of all three; ``qweight``/``qzeros``
-in units of 8 outputs). Only ``version: "gemm"`` with ``zero_point: true`` is supported. The PyTorch path (CPU, and
+in units of 8 outputs). Under tensor parallelism column-parallel layers keep their output channels,
+row-parallel ones their input rows of ``qweight`` and groups of ``scales``/``qzeros`` (as vLLM). Only ``version: "gemm"`` with ``zero_point: true`` is supported. The PyTorch path (CPU, and
 CUDA without Triton) dequantizes to float32 on every call and runs ``F.linear``.
 
 GPU path (CUDA with Triton): ``process_weights_after_loading`` repacks ``qweight`` to GPTQ's layout (``[in / 8, out]``,
@@ -36,8 +37,10 @@ from pagedllm.quantization.base import (
     QuantizationConfig,
     _get,
     is_ignored,
+    is_row_parallel,
     output_sharded_parameter,
     pack_int4,
+    tp_size,
     unpack_int4,
 )
 
@@ -81,20 +84,32 @@ class AWQLinearMethod(LinearMethod):
         self.config = config
 
     def create_weights(self, layer: Linear) -> None:
+        """Allocate this rank's part: its output channels (column-parallel: packed by 8, so each rank's shard
+        sizes must divide by 8), or its input rows of ``qweight`` and groups of ``scales``/``qzeros``
+        (row-parallel: the input size per rank must divide by ``group_size``; ``-1`` keeps the one group whole)."""
         in_size, out_size = layer.input_size, layer.output_size
         group_size = in_size if self.config.group_size == -1 else self.config.group_size
         if in_size % group_size:
+            where = f" per rank with tensor_parallel_size {tp_size(layer)}" if is_row_parallel(layer) else ""
             raise ValueError(
-                f"AWQ needs the input size ({in_size}) to be a multiple of group_size ({group_size})"
+                f"AWQ needs the input size{where} ({in_size}) to be a multiple of group_size ({group_size})"
             )
         num_groups = in_size // group_size
+        group_input_dim = None if self.config.group_size == -1 else 0
         layer.qweight = output_sharded_parameter(
-            layer, (in_size, out_size // 8), torch.int32, output_dim=1, pack_factor=8
+            layer, (in_size, out_size // 8), torch.int32, output_dim=1, pack_factor=8, input_dim=0
         )
         layer.qzeros = output_sharded_parameter(
-            layer, (num_groups, out_size // 8), torch.int32, output_dim=1, pack_factor=8
+            layer,
+            (num_groups, out_size // 8),
+            torch.int32,
+            output_dim=1,
+            pack_factor=8,
+            input_dim=group_input_dim,
         )
-        layer.scales = output_sharded_parameter(layer, (num_groups, out_size), torch.float32, output_dim=1)
+        layer.scales = output_sharded_parameter(
+            layer, (num_groups, out_size), torch.float32, output_dim=1, input_dim=group_input_dim
+        )
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         if use_fused_kernels(layer.qweight):

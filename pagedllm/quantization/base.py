@@ -11,6 +11,14 @@ parameter declares which of its dims runs over output channels (``output_dim``) 
 element holds along it (``pack_factor``, e.g. 8 for int4 packed in int32), so a shard lands at
 ``narrow(output_dim, offset // pack_factor, size // pack_factor)``. Per-shard values that do not run over
 output channels (GPTQ's ``g_idx``, a static ``input_scale``) get a leading ``[num_shards]`` dim instead.
+
+Tensor parallelism (as vLLM shards these formats). Loaders always receive whole checkpoint tensors and keep
+this rank's part. Column-parallel layers (``ColumnParallelLinear``, ``MergedLinear``, ``QKVLinear``): every
+output-channel dim is cut to the rank's rows of each shard (``output_pieces``), in packed units, so each
+rank's packed sizes must divide by ``pack_factor`` (``ValueError`` naming ``tensor_parallel_size``).
+Row-parallel layers (``RowParallelLinear``): a parameter that declares an ``input_dim`` is cut to the rank's
+``1 / T`` of that dim (``input_shard``: packed input rows, or groups of ``group_size`` inputs); one without
+keeps the whole tensor (per-output-channel scales, act-order GPTQ's scales/zeros).
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.layers.linear import Linear, LinearMethod
+from pagedllm.layers.linear import ColumnParallelLinear, Linear, LinearMethod, RowParallelLinear
 
 WeightLoader = Callable[..., None]
 
@@ -146,30 +154,99 @@ def _tag(param: nn.Parameter, layer: Linear, loader: WeightLoader, optional: boo
     return param
 
 
+def tp_size(layer: Linear) -> int:
+    """How many tensor-parallel ranks share ``layer`` (1 for a replicated ``Linear``)."""
+    tp = getattr(layer, "tp", None)
+    return 1 if tp is None else tp.size
+
+
+def is_row_parallel(layer: Linear) -> bool:
+    """Whether ``layer``'s input dim is split over more than one rank."""
+    return isinstance(layer, RowParallelLinear) and layer.tp.size > 1
+
+
+def output_pieces(layer: Linear, shard_id: int | None) -> tuple[list[tuple[int, int, int]], int]:
+    """Where a checkpoint tensor's output channels land in ``layer``'s parameter.
+
+    Returns ``(pieces, source_len)``: each piece ``(dst_offset, size, src_offset)`` copies output channels
+    ``[src_offset, + size)`` of the loaded tensor to ``[dst_offset, + size)`` of the parameter, and the loaded
+    tensor must hold ``source_len`` output channels. ``shard_id`` None is the whole parameter (an unfused
+    layer, or a checkpoint holding the fused tensor, split into its shards here).
+    """
+    _shard_id_ok(layer, shard_id)
+    if isinstance(layer, ColumnParallelLinear):
+        full = layer.full_output_sizes
+        if shard_id is None and layer.fused:  # the fused checkpoint tensor: every shard in turn
+            pieces = [
+                (layer.shard_offsets[i], layer.output_sizes[i], sum(full[:i]) + layer.shard_slice_starts[i])
+                for i in range(len(full))
+            ]
+            return pieces, sum(full)
+        i = 0 if shard_id is None else shard_id
+        return [(layer.shard_offsets[i], layer.output_sizes[i], layer.shard_slice_starts[i])], full[i]
+    if shard_id is None:
+        return [(0, layer.output_size, 0)], layer.output_size
+    return [(layer.shard_offsets[shard_id], layer.output_sizes[shard_id], 0)], layer.output_sizes[shard_id]
+
+
+def input_shard(layer: Linear, loaded: torch.Tensor, dim: int, local_len: int) -> torch.Tensor:
+    """This rank's ``local_len`` entries of ``loaded`` along its input dim ``dim`` (row-parallel layers; any
+    other layer gets ``loaded`` back). The checkpoint must hold ``tensor_parallel_size * local_len`` there."""
+    if not is_row_parallel(layer):
+        return loaded
+    size = layer.tp.size
+    if loaded.shape[dim] != local_len * size:
+        raise ValueError(
+            f"shape mismatch: checkpoint {tuple(loaded.shape)} has {loaded.shape[dim]} entries along its input "
+            f"dim {dim}, expected {local_len} per rank x tensor_parallel_size {size}"
+        )
+    return loaded.narrow(dim, layer.tp.rank * local_len, local_len)
+
+
 def output_sharded_parameter(
-    layer: Linear, shape: Sequence[int], dtype: torch.dtype, output_dim: int, pack_factor: int = 1
+    layer: Linear,
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    output_dim: int,
+    pack_factor: int = 1,
+    input_dim: int | None = None,
 ) -> nn.Parameter:
     """A parameter with output channels along ``output_dim`` (``pack_factor`` channels per element).
 
     ``weight_loader(param, loaded, shard_id=None)``: shard ``i`` goes to its slice along ``output_dim``;
-    ``None`` (an unfused layer, or a checkpoint holding the fused tensor) copies the whole parameter.
+    ``None`` (an unfused layer, or a checkpoint holding the fused tensor) fills the whole parameter. Under
+    tensor parallelism only this rank's output channels are kept (``output_pieces``), and, on a row-parallel
+    layer, its slice along ``input_dim`` when given (None: the input dim is not split, e.g. per-output scales).
     """
-    for size in layer.output_sizes:
-        if size % pack_factor:
+    size = tp_size(layer)
+    for out in layer.output_sizes:
+        if out % pack_factor:
             raise ValueError(
-                f"output size {size} of a shard of {layer.output_sizes} is not a multiple of {pack_factor}, "
+                f"output size {out} of a shard of {layer.output_sizes} is not a multiple of {pack_factor}, "
                 "as this packed format needs"
+                + (f" (sizes per rank with tensor_parallel_size {size})" if size > 1 else "")
             )
     param = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
     def loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: int | None = None) -> None:
-        _shard_id_ok(layer, shard_id)
-        dst = param.data
-        if shard_id is not None:
-            offset = layer.shard_offsets[shard_id] // pack_factor
-            dst = dst.narrow(output_dim, offset, layer.output_sizes[shard_id] // pack_factor)
-        _check_shape(dst, loaded, "output-sharded parameter")
-        dst.copy_(loaded)
+        pieces, source_len = output_pieces(layer, shard_id)
+        if input_dim is not None:
+            loaded = input_shard(layer, loaded, input_dim, param.shape[input_dim])
+        if loaded.dim() != param.dim() or loaded.shape[output_dim] * pack_factor != source_len:
+            raise ValueError(
+                f"output-sharded parameter: checkpoint {tuple(loaded.shape)} does not hold {source_len} output "
+                f"channels along dim {output_dim} (parameter {tuple(param.shape)})"
+            )
+        for dst_offset, out, src_offset in pieces:
+            if src_offset % pack_factor:
+                raise ValueError(
+                    f"this rank's output channels start at {src_offset}, not a multiple of {pack_factor}: the "
+                    f"packed checkpoint cannot be split over tensor_parallel_size {size}"
+                )
+            dst = param.data.narrow(output_dim, dst_offset // pack_factor, out // pack_factor)
+            src = loaded.narrow(output_dim, src_offset // pack_factor, out // pack_factor)
+            _check_shape(dst, src, "output-sharded parameter")
+            dst.copy_(src)
 
     return _tag(param, layer, loader)
 

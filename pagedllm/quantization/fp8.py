@@ -12,6 +12,11 @@ Checkpoint layouts of one ``nn.Linear(in, out)`` (the weight is always ``weight:
   strategy ``block``): ``weight_scale_inv: [ceil(out / bn), ceil(in / bk)]`` (``weight_scale`` in
   compressed-tensors), ``W[o, i] = weight[o, i] * scale[o // bn, i // bk]`` (multiplied, despite the name).
   Fused layers keep each shard's block rows, so shards need not be multiples of ``bn``.
+- Tensor parallelism (as vLLM): column-parallel layers keep their rows of ``weight`` and of per-channel scales
+  (a merged layer's per-tensor scales fill its rows of each shard); row-parallel layers keep their columns of
+  ``weight`` and every output's scale. Online quantization computes each row's scale over the whole row before
+  keeping the rank's columns, so every rank holds exactly what one process would. Block-wise scales under
+  tensor parallelism are refused.
 - ``activation_scheme: "static"`` adds ``input_scale`` (one float per source tensor), kept per shard.
 
 Online (``quantization="fp8"``, float checkpoint): each output row is quantized at load time,
@@ -52,9 +57,12 @@ from pagedllm.quantization.base import (
     _get,
     _shard_id_ok,
     _tag,
+    input_shard,
     is_ignored,
+    output_pieces,
     output_sharded_parameter,
     per_shard_parameter,
+    tp_size,
 )
 
 logger = logging.getLogger(__name__)
@@ -212,10 +220,16 @@ class Fp8LinearMethod(LinearMethod):
 
     def create_weights(self, layer: Linear) -> None:
         out_size, in_size = layer.output_size, layer.input_size
+        if self.strategy == "block" and tp_size(layer) > 1:
+            raise ValueError(
+                f"block-wise FP8 weights do not support tensor_parallel_size > 1 yet (got {tp_size(layer)})"
+            )
         if self.strategy == "online":
             layer.weight = self._online_weight(layer)
         else:
-            layer.weight = output_sharded_parameter(layer, (out_size, in_size), FP8_DTYPE, output_dim=0)
+            layer.weight = output_sharded_parameter(
+                layer, (out_size, in_size), FP8_DTYPE, output_dim=0, input_dim=1
+            )
             layer.weight.weight_loader = layer.weight.fused_weight_loader = _fp8_only(
                 layer.weight.weight_loader
             )
@@ -241,48 +255,43 @@ class Fp8LinearMethod(LinearMethod):
         )
 
         def loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: int | None = None) -> None:
-            _shard_id_ok(layer, shard_id)
-            start, size = (
-                (0, layer.output_size)
-                if shard_id is None
-                else (layer.shard_offsets[shard_id], layer.output_sizes[shard_id])
-            )
-            dst = param.data.narrow(0, start, size)
-            _check_shape(dst, loaded, "weight")
+            pieces, source_len = output_pieces(layer, shard_id)
             if not loaded.is_floating_point() or loaded.dtype == FP8_DTYPE:
                 raise ValueError(
                     f"online FP8 quantization needs a float checkpoint weight, got {loaded.dtype}"
                 )
-            q, scale = quantize_fp8_per_channel(loaded.to(param.device))
-            dst.copy_(q)
-            layer.weight_scale.data.narrow(0, start, size).copy_(scale)
+            full_in = getattr(layer, "full_input_size", layer.input_size)
+            _check_shape(torch.empty(source_len, full_in, device="meta"), loaded, "weight")
+            for dst_offset, size, src_offset in pieces:
+                # whole rows first, then this rank's columns: the scales are those of one process
+                q, scale = quantize_fp8_per_channel(loaded.narrow(0, src_offset, size).to(param.device))
+                param.data.narrow(0, dst_offset, size).copy_(input_shard(layer, q, 1, layer.input_size))
+                layer.weight_scale.data.narrow(0, dst_offset, size).copy_(scale)
 
         return _tag(weight, layer, loader)
 
     def _row_scale(self, layer: Linear) -> nn.Parameter:
-        """``[out] float32``: per-tensor scales expanded to their shard's rows, or per-channel scales."""
+        """``[out] float32``: per-tensor scales expanded to their shard's rows, or per-channel scales (this rank's
+        output channels; whole on row-parallel layers, whose output is not split)."""
         scale = nn.Parameter(torch.empty(layer.output_size, dtype=torch.float32), requires_grad=False)
         per_tensor = self.strategy == "tensor"
 
         def loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: int | None = None) -> None:
-            _shard_id_ok(layer, shard_id)
-            start, size = (
-                (0, layer.output_size)
-                if shard_id is None
-                else (layer.shard_offsets[shard_id], layer.output_sizes[shard_id])
-            )
-            dst = param.data.narrow(0, start, size)
+            pieces, source_len = output_pieces(layer, shard_id)
             if per_tensor:
                 if loaded.numel() != 1:
                     raise ValueError(
                         f"per-tensor weight_scale must hold one value, got shape {tuple(loaded.shape)}"
                     )
-                dst.fill_(loaded.reshape(()).to(torch.float32).item())
-            else:
-                if loaded.dim() == 2 and loaded.shape[1] == 1:
-                    loaded = loaded[:, 0]  # [rows, 1] -> [rows]
-                _check_shape(dst, loaded, "per-channel weight_scale")
-                dst.copy_(loaded)
+                value = loaded.reshape(()).to(torch.float32).item()
+                for dst_offset, size, _ in pieces:
+                    param.data.narrow(0, dst_offset, size).fill_(value)
+                return
+            if loaded.dim() == 2 and loaded.shape[1] == 1:
+                loaded = loaded[:, 0]  # [rows, 1] -> [rows]
+            _check_shape(torch.empty(source_len, device="meta"), loaded, "per-channel weight_scale")
+            for dst_offset, size, src_offset in pieces:
+                param.data.narrow(0, dst_offset, size).copy_(loaded.narrow(0, src_offset, size))
 
         return _tag(scale, layer, loader)
 

@@ -19,6 +19,11 @@ Fused layers: the checkpoint's q/k/v (gate/up) tensors stack along the output di
 along dim 1, ``qzeros`` along dim 1 in units of 8 outputs; ``g_idx`` is kept per shard (``[num_shards,
 in]``) since each source layer has its own.
 
+Tensor parallelism: column-parallel layers keep their output channels of all four tensors (``qzeros`` in
+units of 8: each rank's shard sizes must divide by 8); row-parallel ones keep their input rows of ``qweight``
+(in packs of 8) and ``g_idx``, and their groups of ``scales``/``qzeros`` (the input size per rank must divide by
+``group_size``); with ``desc_act`` they keep ``scales``/``qzeros`` whole, ``g_idx`` naming global groups (as vLLM).
+
 The PyTorch path (CPU, and CUDA without Triton) dequantizes to float32 on every call and runs ``F.linear``: the
 oracle for the GPU path.
 
@@ -50,10 +55,13 @@ from pagedllm.platform import use_fused_kernels
 from pagedllm.quantization.base import (
     QuantizationConfig,
     _get,
+    input_shard,
     is_ignored,
+    is_row_parallel,
     output_sharded_parameter,
     pack_int4,
     per_shard_parameter,
+    tp_size,
     unpack_int4,
 )
 
@@ -112,19 +120,61 @@ class GPTQLinearMethod(LinearMethod):
         return layer.input_size if self.config.group_size == -1 else self.config.group_size
 
     def create_weights(self, layer: Linear) -> None:
+        """Allocate this rank's part (module docstring for the layouts).
+
+        Row-parallel layers under tensor parallelism (as vLLM): ``qweight`` keeps the rank's input rows (packs of
+        8), ``g_idx`` their entries; ``scales``/``qzeros`` keep the rank's groups, except with ``desc_act`` (the
+        rank's inputs may belong to any group) or ``group_size = -1`` (one group), where they stay whole and
+        ``g_idx`` holds global group indices."""
         in_size, out_size = layer.input_size, layer.output_size
+        tp = tp_size(layer)
+        row_parallel = is_row_parallel(layer)
+        where = f" (the input size per rank, with tensor_parallel_size {tp})" if row_parallel else ""
         if in_size % 8:
-            raise ValueError(f"GPTQ needs the input size to be a multiple of 8, got {in_size}")
+            raise ValueError(f"GPTQ needs the input size to be a multiple of 8, got {in_size}{where}")
         group_size = self.group_size(layer)
-        num_groups = math.ceil(in_size / group_size)
-        layer.qweight = output_sharded_parameter(layer, (in_size // 8, out_size), torch.int32, output_dim=1)
-        layer.qzeros = output_sharded_parameter(
-            layer, (num_groups, out_size // 8), torch.int32, output_dim=1, pack_factor=8
+        if row_parallel and self.config.group_size != -1 and in_size % group_size:
+            raise ValueError(
+                f"GPTQ with tensor_parallel_size {tp}: the input size per rank ({in_size}) is not a multiple of "
+                f"group_size ({group_size})"
+            )
+        whole_groups = row_parallel and (self.config.desc_act or self.config.group_size == -1)
+        if whole_groups and self.config.group_size != -1:
+            num_groups = math.ceil(layer.full_input_size / group_size)
+        else:
+            num_groups = math.ceil(in_size / group_size)
+        group_input_dim = None if whole_groups else 0  # scales/qzeros rows: cut by group when row-parallel
+        layer.qweight = output_sharded_parameter(
+            layer, (in_size // 8, out_size), torch.int32, output_dim=1, input_dim=0
         )
-        layer.scales = output_sharded_parameter(layer, (num_groups, out_size), torch.float32, output_dim=1)
+        layer.qzeros = output_sharded_parameter(
+            layer,
+            (num_groups, out_size // 8),
+            torch.int32,
+            output_dim=1,
+            pack_factor=8,
+            input_dim=group_input_dim,
+        )
+        layer.scales = output_sharded_parameter(
+            layer, (num_groups, out_size), torch.float32, output_dim=1, input_dim=group_input_dim
+        )
         layer.g_idx = per_shard_parameter(layer, (in_size,), torch.int32, optional=True)  # [num_shards, in]
-        default = torch.arange(in_size, dtype=torch.int32, device=layer.g_idx.device) // group_size  # [in]
+        # global group index of this rank's input i when scales stay whole, else the rank's own group index
+        first_input = layer.tp.rank * in_size if whole_groups and self.config.group_size != -1 else 0
+        local_groups_start = layer.tp.rank * num_groups if row_parallel and not whole_groups else 0
+        default = (
+            torch.arange(in_size, dtype=torch.int32, device=layer.g_idx.device) + first_input
+        ) // group_size
         layer.g_idx.data.copy_(default.expand_as(layer.g_idx))
+        load_g_idx = layer.g_idx.weight_loader
+
+        def g_idx_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+            loaded = input_shard(layer, loaded, 0, in_size)  # the rank's input channels
+            if local_groups_start:
+                loaded = loaded - local_groups_start  # global -> this rank's group index
+            load_g_idx(param, loaded, shard_id)
+
+        layer.g_idx.weight_loader = layer.g_idx.fused_weight_loader = g_idx_loader
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         g_idx = layer.g_idx  # [num_shards, in]

@@ -151,7 +151,3 @@ def test_kv_heads_not_divisible_fails_at_startup(tmp_path: Path) -> None:
         _load_rank(path, 0, size=4)
 
 
-def test_quantized_model_with_tp_fails(tiny_llama: str) -> None:
-    model_config = ModelConfig(model=tiny_llama, dtype="float32", quantization="fp8")
-    with pytest.raises(ValueError, match="tensor_parallel_size > 1"):
-        get_model(model_config, torch.device("cpu"), TorchAttentionBackend(), tp=TPGroup(rank=0, size=2))
