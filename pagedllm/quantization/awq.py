@@ -36,6 +36,8 @@ from pagedllm.quantization.base import (
     AWQ_ORDER,
     QuantizationConfig,
     _get,
+    add_group_params,
+    int4_group_size,
     is_ignored,
     is_row_parallel,
     output_sharded_parameter,
@@ -54,12 +56,7 @@ class AWQConfig(QuantizationConfig):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> AWQConfig:
-        bits = _get(config, "bits", "w_bit", default=4)
-        if bits != 4:
-            raise ValueError(f"quantization_config.bits: only 4-bit AWQ is supported, got {bits!r}")
-        group_size = _get(config, "group_size", "q_group_size", default=128)
-        if not isinstance(group_size, int) or not (group_size == -1 or group_size > 0):
-            raise ValueError(f"quantization_config.group_size must be -1 or positive, got {group_size!r}")
+        group_size = int4_group_size(config, "AWQ")
         version = str(_get(config, "version", default="gemm")).lower()
         if version != "gemm":
             raise ValueError(f"quantization_config.version: only AWQ 'gemm' is supported, got {version!r}")
@@ -99,17 +96,7 @@ class AWQLinearMethod(LinearMethod):
         layer.qweight = output_sharded_parameter(
             layer, (in_size, out_size // 8), torch.int32, output_dim=1, pack_factor=8, input_dim=0
         )
-        layer.qzeros = output_sharded_parameter(
-            layer,
-            (num_groups, out_size // 8),
-            torch.int32,
-            output_dim=1,
-            pack_factor=8,
-            input_dim=group_input_dim,
-        )
-        layer.scales = output_sharded_parameter(
-            layer, (num_groups, out_size), torch.float32, output_dim=1, input_dim=group_input_dim
-        )
+        add_group_params(layer, num_groups, group_input_dim)
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         if use_fused_kernels(layer.qweight):

@@ -270,3 +270,29 @@ def per_shard_parameter(
             param.data[shard_id].copy_(loaded)
 
     return _tag(param, layer, loader, optional)
+
+
+def int4_group_size(config: dict[str, Any], method: str) -> int:
+    """``quantization_config``'s 4-bit check and group size (-1 or positive) for GPTQ / AWQ; ``ValueError``
+    naming the field otherwise."""
+    bits = _get(config, "bits", "w_bit", default=4)
+    if bits != 4:
+        raise ValueError(f"quantization_config.bits: only 4-bit {method} is supported, got {bits!r}")
+    group_size = _get(config, "group_size", "q_group_size", default=128)
+    if not isinstance(group_size, int) or not (group_size == -1 or group_size > 0):
+        raise ValueError(f"quantization_config.group_size must be -1 or positive, got {group_size!r}")
+    return group_size
+
+
+def add_group_params(layer: Linear, num_groups: int, group_input_dim: int | None) -> None:
+    """``layer.qzeros`` (``[num_groups, out / 8]`` int32, packed along the output dim) and ``layer.scales``
+    (``[num_groups, out]`` float32), both output-sharded; ``group_input_dim`` 0 cuts their groups on
+    row-parallel layers, None keeps them whole."""
+    out_size = layer.output_size
+    layer.qzeros = output_sharded_parameter(
+        layer, (num_groups, out_size // 8), torch.int32, output_dim=1, pack_factor=8, input_dim=group_input_dim
+    )
+    layer.scales = output_sharded_parameter(
+        layer, (num_groups, out_size), torch.float32, output_dim=1, input_dim=group_input_dim
+    )
+

@@ -55,7 +55,9 @@ from pagedllm.platform import use_fused_kernels
 from pagedllm.quantization.base import (
     QuantizationConfig,
     _get,
+    add_group_params,
     input_shard,
+    int4_group_size,
     is_ignored,
     is_row_parallel,
     output_sharded_parameter,
@@ -77,12 +79,7 @@ class GPTQConfig(QuantizationConfig):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> GPTQConfig:
-        bits = _get(config, "bits", "w_bit", default=4)
-        if bits != 4:
-            raise ValueError(f"quantization_config.bits: only 4-bit GPTQ is supported, got {bits!r}")
-        group_size = _get(config, "group_size", default=128)
-        if not isinstance(group_size, int) or not (group_size == -1 or group_size > 0):
-            raise ValueError(f"quantization_config.group_size must be -1 or positive, got {group_size!r}")
+        group_size = int4_group_size(config, "GPTQ")
         sym = _get(config, "sym", default=True)
         if sym is not True:
             raise ValueError("quantization_config.sym: asymmetric GPTQ (sym: false) is not supported")
@@ -147,17 +144,7 @@ class GPTQLinearMethod(LinearMethod):
         layer.qweight = output_sharded_parameter(
             layer, (in_size // 8, out_size), torch.int32, output_dim=1, input_dim=0
         )
-        layer.qzeros = output_sharded_parameter(
-            layer,
-            (num_groups, out_size // 8),
-            torch.int32,
-            output_dim=1,
-            pack_factor=8,
-            input_dim=group_input_dim,
-        )
-        layer.scales = output_sharded_parameter(
-            layer, (num_groups, out_size), torch.float32, output_dim=1, input_dim=group_input_dim
-        )
+        add_group_params(layer, num_groups, group_input_dim)
         layer.g_idx = per_shard_parameter(layer, (in_size,), torch.int32, optional=True)  # [num_shards, in]
         # global group index of this rank's input i when scales stay whole, else the rank's own group index
         first_input = layer.tp.rank * in_size if whole_groups and self.config.group_size != -1 else 0
