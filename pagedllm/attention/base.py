@@ -16,9 +16,11 @@ Per-layer options of ``AttentionBackend.forward`` (fixed when the model is built
 
 * ``sliding_window`` W: the query at position p sees only keys at positions k with ``p - W < k <= p`` (W keys,
   itself included), as transformers' ``sliding_window_causal_mask_function`` does. Only the attention is
-  windowed: the KV cache still holds (and the block table still lists) every block of the sequence, including
-  blocks wholly behind the window; nothing is freed early. So prefix caching, chunked prefill and preemption
-  work exactly as without a window, at the cost of memory a window-aware allocator could give back.
+  windowed here. The block table lists a block for every position; when every layer of the model has the same
+  window, the KV cache manager gives blocks wholly behind it back to the pool (``core/kv_cache_manager.py``), and
+  their entries may then name blocks other requests own: backends must never read (or write) a slot behind a
+  query's window (the Triton kernel skips those tiles; the PyTorch path gathers them, masks them and zeroes
+  non-finite values).
 * ``logits_soft_cap`` c: the scaled scores ``s`` become ``c * tanh(s / c)`` before masking and the softmax
   (Gemma 2).
 * ``sinks`` (``[num_heads]`` tensor, this rank's heads; GPT-OSS): one learned logit ``s_h`` per query head that

@@ -7,6 +7,14 @@ Layout of one request's blocks (block_size 4, 10 tokens, 3 computed from the pre
     hashes:  h0=H(-,t0..3) h1=H(h0,t4..7)  (partial block: no hash)
 
 Only full blocks get a hash; a block's hash chains its parent's, so equal hashes mean equal whole prefixes.
+
+Sliding window (``sliding_window`` W: every attention layer of the model has that window). The query at position
+p reads keys at positions > p - W only, so once a request has computed n tokens, keys at positions <= n - W are
+never read again. Blocks wholly behind that line (with one block of margin) go back to the pool at the request's
+next ``allocate_slots``, and ``NULL_BLOCK`` takes their place in its list: a request holds about W / block_size
+blocks however long it runs. The runner's block table keeps the old ids at those positions, which the attention
+backends never read (the Triton kernel skips tiles behind the window; the PyTorch path masks them). A freed block
+keeps its hash, so it can still serve prefix hits until it is evicted.
 """
 
 from __future__ import annotations
@@ -19,10 +27,18 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# Stands in a request's block list for a block freed behind the sliding window: never in the pool, never counted.
+NULL_BLOCK = KVCacheBlock(0)
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool = True, sliding_window: int | None = None
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window  # W when every layer has that window: blocks behind it are freed
+        self.num_freed_blocks: dict[str, int] = {}  # leading blocks of a request replaced by NULL_BLOCK
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # how many leading blocks of a request are registered
@@ -92,6 +108,8 @@ class KVCacheManager:
         not leave hashes behind that point at unwritten blocks.
         """
         num_new_tokens += num_lookahead_tokens  # slots are slots: only cache_blocks cares what was computed
+        if self.sliding_window is not None:
+            self._free_behind_window(request)
         if not new_computed_blocks:
             # Fast path (most decode steps): the last block still has room.
             blocks = self.req_to_blocks.get(request.request_id)
@@ -113,6 +131,22 @@ class KVCacheManager:
             blocks.extend(self.pool.get_new_blocks(num_needed))
         return True
 
+    def _free_behind_window(self, request: Request) -> None:
+        """Return the blocks no query of ``request`` will read again (module docstring) to the pool."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if not blocks:
+            return
+        # Keys at positions <= num_computed - W are behind every later query's window; keep one block more.
+        behind = request.num_computed_tokens - self.sliding_window - self.block_size + 1  # positions 0..behind-1
+        num_behind = min(max(behind, 0) // self.block_size, len(blocks) - 1)
+        start = self.num_freed_blocks.get(request.request_id, 0)
+        if num_behind <= start:
+            return
+        freed = blocks[start:num_behind]
+        blocks[start:num_behind] = [NULL_BLOCK] * (num_behind - start)
+        self.num_freed_blocks[request.request_id] = num_behind
+        self.pool.free_blocks(reversed([b for b in freed if b is not NULL_BLOCK]))
+
     def cache_blocks(self, request: Request) -> None:
         """Register the request's full blocks whose KV is computed (call after the step that computed them)."""
         if not self.enable_caching:
@@ -126,7 +160,8 @@ class KVCacheManager:
             return
         self._update_block_hashes(request, num_full * self.block_size)
         for i in range(start, num_full):
-            self.pool.cache_block(blocks[i], request.block_hashes[i])
+            if blocks[i] is not NULL_BLOCK:  # (freed behind the window before its step's output came back)
+                self.pool.cache_block(blocks[i], request.block_hashes[i])
         self.num_cached_blocks[request.request_id] = num_full
 
     def get_block_ids(self, request_id: str, start: int = 0) -> list[int]:
@@ -141,7 +176,8 @@ class KVCacheManager:
         """Release a request's blocks (tail first, so its least shareable blocks are evicted first)."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
-        self.pool.free_blocks(reversed(blocks))
+        self.num_freed_blocks.pop(request.request_id, None)
+        self.pool.free_blocks(reversed([b for b in blocks if b is not NULL_BLOCK]))
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
@@ -151,5 +187,6 @@ class KVCacheManager:
         owners: dict[int, int] = {}
         for blocks in self.req_to_blocks.values():
             for b in blocks:
-                owners[b.block_id] = owners.get(b.block_id, 0) + 1
+                if b is not NULL_BLOCK:
+                    owners[b.block_id] = owners.get(b.block_id, 0) + 1
         self.pool.check_integrity(owners, block_ids)

@@ -24,6 +24,15 @@ logger = logging.getLogger(__name__)
 IDLE_CHECK_MAX_BLOCKS = 32768
 
 
+def uniform_sliding_window(model: Any) -> int | None:
+    """W when every attention layer of ``model`` has sliding window W, else None (no window, or a hybrid model
+    such as Gemma 2/3 or GPT-OSS, whose full-attention layers need the whole context)."""
+    from pagedllm.layers.attention import Attention
+
+    windows = {m.sliding_window for m in model.modules() if isinstance(m, Attention)}
+    return windows.pop() if len(windows) == 1 and None not in windows else None
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, tokenizer: Any = None) -> None:
         """``tokenizer``: the front-end's, when it shares the process (structured outputs need one; without it
@@ -52,6 +61,12 @@ class EngineCore:
         block_size = config.cache_config.block_size
         max_model_len = config.model_config.max_model_len
         blocks_per_seq = cdiv(max_model_len, block_size)
+        # A model whose every layer slides frees blocks behind the window (below): one sequence then holds its
+        # window, a block of margin and at most one step's new tokens.
+        window = uniform_sliding_window(self.runner.model) if config.speculative_config is None else None
+        if window is not None:
+            step_tokens = config.scheduler_config.max_num_batched_tokens
+            blocks_per_seq = min(blocks_per_seq, cdiv(window + block_size + step_tokens, block_size) + 1)
         if num_blocks < blocks_per_seq:
             raise ValueError(
                 f"the KV cache holds {num_blocks} blocks ({num_blocks * block_size} tokens) but one sequence of "
@@ -71,8 +86,10 @@ class EngineCore:
             t_graphs - t_kv,
             t_graphs - t0,
         )
+        # A model whose every layer has the same sliding window frees blocks behind it (kv_cache_manager.py). Not
+        # with speculative decoding: a draft model reads the target's block ids over its own (unwindowed) context.
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, block_size, config.cache_config.enable_prefix_caching
+            num_blocks, block_size, config.cache_config.enable_prefix_caching, sliding_window=window
         )
         lora_config = config.lora_config
         self.scheduler = Scheduler(

@@ -13,6 +13,7 @@ from pagedllm import LLM, SamplingParams
 from tests.utils import TINY_ARCHS, TINY_WINDOWS, hf_greedy, hf_logprobs
 
 MAX_NEW = 12
+UNIFORM_WINDOW_POOL = {"mistral": 12, "phi3": 16}  # archs whose every layer has the window: KV pool size
 
 
 def _prompts(vocab: int) -> list[list[int]]:
@@ -35,8 +36,12 @@ def test_long_prompts_chunked_prefix_hits_preemption(tiny_model_dirs, arch):
         block_size=4,
         max_model_len=64,
         max_num_batched_tokens=8,  # prompts arrive in chunks of at most 8 tokens
-        num_gpu_blocks_override=20,  # three sequences of ~13 blocks cannot all fit: preemption
+        # three sequences of ~13 blocks cannot all fit: preemption. Models whose every layer slides free the blocks
+        # behind the window (a sequence holds ~W / 4 + 2 blocks), so they get a smaller pool to be preempted too.
+        num_gpu_blocks_override=UNIFORM_WINDOW_POOL.get(arch, 20),
     )
+    window = llm.llm_engine.engine_core.kv_cache_manager.sliding_window
+    assert window == (TINY_WINDOWS[arch] if arch in UNIFORM_WINDOW_POOL else None)
     vocab = llm.llm_engine.engine_core.vocab_size
     prompts = _prompts(vocab)
     assert all(len(p) > TINY_WINDOWS.get(arch, 0) for p in prompts)
