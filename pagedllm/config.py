@@ -344,6 +344,9 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     # Decoder layers per stage; None: make_engine_config fills in vLLM's even split (or VLLM_PP_LAYER_PARTITION).
     pp_layer_partition: tuple[int, ...] | None = None
+    # MoE models under tensor parallelism: each rank holds E / T whole experts instead of every expert's slice of
+    # the intermediate dim (vLLM's --enable-expert-parallel; nothing changes without TP > 1).
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name in ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size"):
@@ -355,6 +358,8 @@ class ParallelConfig:
                 f"distributed_executor_backend {self.distributed_executor_backend!r} is not supported yet "
                 "(only 'mp': worker processes on this node)"
             )
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ValueError(f"enable_expert_parallel must be a bool, got {self.enable_expert_parallel!r}")
 
     @property
     def world_size(self) -> int:
@@ -428,6 +433,18 @@ def _check_pipeline_parallel(
     verify_pp_config(model_config.hf_config, pp, parallel_config.pp_layer_partition)
 
 
+def _apply_expert_parallel(parallel_config: ParallelConfig, model_config: ModelConfig) -> None:
+    """Check that an MoE model's experts split over the TP ranks (``ValueError`` naming the field; MoE families
+    without tensor parallelism name ``tensor_parallel_size``) and hand ``enable_expert_parallel`` to the model
+    through its HF config (what the model classes see)."""
+    from pagedllm.layers.fused_moe import EXPERT_PARALLEL_ATTR, verify_moe_tp_config
+
+    tp, ep = parallel_config.tensor_parallel_size, parallel_config.enable_expert_parallel
+    verify_moe_tp_config(model_config.hf_config, tp, ep)
+    if tp > 1:  # without TP the flag does nothing (as vLLM); the attribute's absence reads as False
+        setattr(model_config.hf_config, EXPERT_PARALLEL_ATTR, ep)
+
+
 def make_engine_config(
     model: str,
     *,
@@ -458,6 +475,7 @@ def make_engine_config(
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
     distributed_executor_backend: str | None = None,
+    enable_expert_parallel: bool = False,
     quantization: str | None = None,
     enable_lora: bool = False,
     max_loras: int = 1,
@@ -515,7 +533,9 @@ def make_engine_config(
         tensor_parallel_size,
         distributed_executor_backend,
         pipeline_parallel_size=pipeline_parallel_size,
+        enable_expert_parallel=enable_expert_parallel,
     )
+    _apply_expert_parallel(parallel_config, model_config)
     if pipeline_parallel_size > 1:
         _check_pipeline_parallel(parallel_config, model_config, spec, lora_config)
     if tensor_parallel_size > 1:

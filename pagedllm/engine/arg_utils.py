@@ -73,6 +73,12 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     )
     parser.add_argument("--distributed-executor-backend", default=None, choices=[None, "mp"])
     parser.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="MoE models with --tensor-parallel-size > 1: give each rank whole experts (num_experts / T of them) "
+        "instead of every expert's slice of the intermediate dim",
+    )
+    parser.add_argument(
         "--data-parallel-size",
         "-dp",
         type=int,
@@ -153,6 +159,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1),
         distributed_executor_backend=getattr(args, "distributed_executor_backend", None),
+        enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
         served_model_name=getattr(args, "served_model_name", None),
         enable_lora=getattr(args, "enable_lora", False),
         max_loras=getattr(args, "max_loras", 1),

@@ -72,6 +72,9 @@ def moe_align(
       the blocks past the used ones repeat expert ``num_experts - 1`` (in range, never computed);
     * ``num_blocks: [1]`` int32: how many blocks are used, on ``topk_ids``' device.
 
+    An id equal to ``num_experts`` marks an assignment to an expert another rank holds (expert parallelism): it
+    gets no row and no block, so nothing computes it.
+
     Shapes depend on ``(A, num_experts, block_m)`` only and nothing is read on the host, so a CUDA graph can
     capture it (block -> expert by ``searchsorted``, not ``repeat_interleave``; counts by ``searchsorted`` over
     the sorted ids, not ``bincount``, which reads the largest id on the host on CUDA)::
@@ -95,9 +98,13 @@ def moe_align(
     block_end = torch.cumsum(blocks, 0)  # [E] one past each expert's last block
     padded_start = (block_end - blocks) * block_m  # [E] each expert's first row in sorted_ids
     # assignment order[i] (the i-th in expert order) goes to row i - start[e] + padded_start[e] of its expert e
-    dest = torch.arange(num_assign, device=device) + (padded_start - start)[expert_of_sorted]  # [A]
-    sorted_ids = torch.full((max_blocks * block_m,), num_assign, dtype=torch.int32, device=device)
-    sorted_ids.scatter_(0, dest, order.to(torch.int32))
+    # assignments to remote experts (id E, sorted last) land past the returned rows: offset max_blocks * block_m
+    size = max_blocks * block_m
+    shift = torch.cat([padded_start - start, torch.full((1,), size, dtype=torch.int64, device=device)])  # [E + 1]
+    dest = torch.arange(num_assign, device=device) + shift[expert_of_sorted]  # [A]
+    rows = torch.full((size + num_assign,), num_assign, dtype=torch.int32, device=device)
+    rows.scatter_(0, dest, order.to(torch.int32))
+    sorted_ids = rows[:size]
     # block b belongs to the expert whose [block_end - blocks, block_end) holds b: the number of experts whose
     # blocks all end at or before b (empty experts add nothing); blocks past the used ones give E, clamped
     block_ids = torch.arange(max_blocks, device=device, dtype=torch.int64)  # [M]
@@ -236,8 +243,12 @@ def fused_experts(
     activation: str = "silu",
     swiglu_alpha: float = 1.702,  # "swigluoai" only
     swiglu_limit: float = 7.0,  # "swigluoai" only
+    remote_experts: bool = False,
 ) -> torch.Tensor:  # [T, hidden]
-    """The MoE MLP through the Triton grouped GEMM; see the module docstring for the biases and activations."""
+    """The MoE MLP through the Triton grouped GEMM; see the module docstring for the biases and activations.
+
+    ``remote_experts``: ``topk_ids`` may hold ``E`` (``w13.shape[0]``), an expert another rank holds (expert
+    parallelism); those assignments are not computed and contribute zero."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     assert w13.shape[2] == hidden and w2.shape == (num_experts, hidden, two_inter // 2), (
@@ -259,6 +270,8 @@ def fused_experts(
         g = _silu_and_mul(h)  # [A, inter]
     scale = topk_weights.reshape(-1).to(torch.float32).contiguous()
     y = _moe_gemm(g, w2, *layout, 1, scale, block_m, w2_bias)  # [A, hidden]
+    if remote_experts:  # their rows were never written
+        y = y.masked_fill((topk_ids.reshape(-1) >= num_experts)[:, None], 0.0)
     return y.view(num_tokens, top_k, hidden).sum(dim=1)
 
 
@@ -329,7 +342,8 @@ def fused_experts_ref(
     swiglu_limit: float = 7.0,
 ) -> torch.Tensor:  # [T, hidden]
     """PyTorch twin of :func:`fused_experts`: sort the assignments by expert, run each expert's gated MLP on
-    its rows, weight them, sum each token's ``top_k`` rows."""
+    its rows, weight them, sum each token's ``top_k`` rows. Ids equal to ``E`` (experts another rank holds)
+    contribute zero."""
     if activation not in MOE_ACTIVATIONS:
         raise ValueError(f"unsupported MoE activation {activation!r}; supported: {MOE_ACTIVATIONS}")
     num_tokens, hidden = x.shape
@@ -337,11 +351,13 @@ def fused_experts_ref(
     inter = w13.shape[1] // 2
     flat = topk_ids.reshape(-1)  # [A]
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    num_experts = w13.shape[0]
+    counts = torch.bincount(flat, minlength=num_experts).tolist()  # [E], or [E + 1] with remote experts
     scale = topk_weights.reshape(-1)  # [A]: float32, or the activations' dtype (promotion as in transformers)
-    y = torch.empty((num_tokens * top_k, hidden), dtype=x.dtype, device=x.device)
+    alloc = torch.zeros if len(counts) > num_experts else torch.empty  # remote experts' rows stay zero
+    y = alloc((num_tokens * top_k, hidden), dtype=x.dtype, device=x.device)
     start = 0
-    for expert, count in enumerate(counts):
+    for expert, count in enumerate(counts[:num_experts]):
         if count == 0:
             continue
         ids = order[start : start + count]  # this expert's assignments

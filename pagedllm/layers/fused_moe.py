@@ -25,6 +25,17 @@ Mixtral, ``norm_topk_prob`` for Qwen3-MoE) the k weights divided by their sum. D
 (:func:`group_limited_topk` for V2, :func:`noaux_tc_topk` for V3) are functions a model's ``FusedMoE`` subclass
 calls from its own ``route``.
 
+Tensor parallelism (``tp`` of ``T`` ranks, per-expert layout only), as vLLM does it by default: every rank holds
+every expert's slice ``r`` of the intermediate dim (``w13[e]``: the gate rows and the up rows of that slice,
+``w2[e]``: the same columns), computes its partial outputs for all tokens, and the block's output is summed over
+the ranks (one all-reduce, as a row-parallel layer). ``expert_parallel=True`` (vLLM's
+``--enable-expert-parallel``) instead gives rank ``r`` experts ``[r * E / T, (r + 1) * E / T)`` whole; routing
+stays global (the router is replicated), assignments to other ranks' experts are mapped to the invalid local id
+``E / T`` and skipped by both expert paths, and the block's output is all-reduced likewise. The loaders take whole
+checkpoint tensors and copy this rank's slice; other ranks' experts are ``RemoteExpert`` placeholders, whose
+checkpoint tensors the loader skips. ``forward_partial`` returns this rank's part before the all-reduce (a
+subclass adding a shared expert sums its own partial in first).
+
 On CUDA the forward (routing included) reads nothing on the host and its shapes follow the token count alone, so
 decode steps run inside CUDA graphs; routing rules added here must keep that (no ``.item()``, ``.tolist()``,
 ``nonzero``, boolean-mask indexing; tests/models/test_moe.py checks every family's block).
@@ -32,22 +43,59 @@ decode steps run inside CUDA graphs; routing rules added here must keep that (no
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
+from pagedllm.distributed.communicator import all_reduce
+from pagedllm.distributed.parallel_state import TPGroup, divide
+from pagedllm.distributed.pipeline import PPMissingLayer
 from pagedllm.kernels.fused_moe import fused_experts, fused_experts_ref
 from pagedllm.layers.linear import Linear, default_weight_loader
 from pagedllm.platform import use_fused_kernels
 
+# The attribute of the model's HF config that carries ``ParallelConfig.enable_expert_parallel`` to the MoE layers
+# (set by ``make_engine_config``; absent means False).
+EXPERT_PARALLEL_ATTR = "enable_expert_parallel"
 
-def _stacked_shard_loader(param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: int) -> None:
-    """Load gate (``shard_id`` 0) or up (1) rows of one expert's ``[2 * inter, hidden]`` slot."""
-    rows = param.shape[0] // 2
-    default_weight_loader(param.data[shard_id * rows : (shard_id + 1) * rows], loaded_weight)
+# Architectures whose MoE blocks run under tensor parallelism (and expert parallelism).
+MOE_TP_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
+# MoE architectures that still refuse tensor_parallel_size > 1.
+MOE_NO_TP_ARCHITECTURES = ("GptOssForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
 
-def _stacked_fused_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
-    default_weight_loader(param, loaded_weight)
+def _check_shape(loaded_weight: torch.Tensor, expected: tuple[int, ...]) -> None:
+    if tuple(loaded_weight.shape) != expected:
+        raise ValueError(f"shape mismatch: parameter {expected} vs checkpoint {tuple(loaded_weight.shape)}")
+
+
+class _SliceLoaders:
+    """Loaders for one expert's slots when this rank holds intermediate units ``[start, start + size)`` of
+    ``full`` (``start = 0, size = full`` without tensor parallelism): checkpoint ``gate``/``up`` ``[full, hidden]``
+    (shards 0/1), fused ``gate_up`` ``[2 * full, hidden]``, ``down`` ``[hidden, full]``."""
+
+    def __init__(self, start: int, size: int, full: int) -> None:
+        self.start, self.size, self.full = start, size, full
+
+    def w13_shard(self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: int) -> None:
+        """Gate (``shard_id`` 0) or up (1) rows of the ``[2 * size, hidden]`` slot."""
+        if shard_id not in (0, 1):
+            raise ValueError(f"shard_id {shard_id} out of range for 2 shards")
+        _check_shape(loaded_weight, (self.full, param.shape[1]))
+        rows = param.data[shard_id * self.size : (shard_id + 1) * self.size]
+        default_weight_loader(rows, loaded_weight.narrow(0, self.start, self.size))
+
+    def w13_fused(self, param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
+        """A checkpoint already holding ``[gate; up]`` (``[2 * full, hidden]``)."""
+        _check_shape(loaded_weight, (2 * self.full, param.shape[1]))
+        for shard_id in (0, 1):
+            self.w13_shard(param, loaded_weight.narrow(0, shard_id * self.full, self.full), shard_id)
+
+    def w2(self, param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
+        """Columns ``[start, start + size)`` of the checkpoint's ``[hidden, full]``."""
+        _check_shape(loaded_weight, (param.shape[0], self.full))
+        default_weight_loader(param, loaded_weight.narrow(1, self.start, self.size))
 
 
 def _deinterleave(t: torch.Tensor) -> torch.Tensor:  # [..., 2 * inter] (g0, u0, g1, u1, ...) -> [gate | up]
@@ -100,23 +148,33 @@ class _StackedExperts(nn.Module):
 class _ExpertWeight(nn.Module):
     """Holds one expert's view of a stacked tensor as ``weight`` (what the checkpoint name ends with)."""
 
-    def __init__(self, view: torch.Tensor, num_shards: int | None) -> None:
+    def __init__(self, view: torch.Tensor, weight_loader, fused_weight_loader=None) -> None:
         super().__init__()
         weight = nn.Parameter(view, requires_grad=False)  # shares storage with the stacked tensor
-        if num_shards is None:
-            weight.weight_loader = default_weight_loader
-        else:
-            weight.weight_loader = _stacked_shard_loader
-            weight.fused_weight_loader = _stacked_fused_loader
-            weight.num_shards = num_shards
+        weight.weight_loader = weight_loader
+        if fused_weight_loader is not None:
+            weight.fused_weight_loader = fused_weight_loader
+            weight.num_shards = 2
         self.weight = weight
 
 
 class _Expert(nn.Module):
-    def __init__(self, w13_view: torch.Tensor, w2_view: torch.Tensor, w13_name: str, w2_name: str) -> None:
+    def __init__(
+        self,
+        w13_view: torch.Tensor,  # [2 * inter_r, hidden]
+        w2_view: torch.Tensor,  # [hidden, inter_r]
+        w13_name: str,
+        w2_name: str,
+        loaders: _SliceLoaders,
+    ) -> None:
         super().__init__()
-        self.add_module(w13_name, _ExpertWeight(w13_view, num_shards=2))
-        self.add_module(w2_name, _ExpertWeight(w2_view, num_shards=None))
+        self.add_module(w13_name, _ExpertWeight(w13_view, loaders.w13_shard, loaders.w13_fused))
+        self.add_module(w2_name, _ExpertWeight(w2_view, loaders.w2))
+
+
+class RemoteExpert(PPMissingLayer):
+    """An expert another expert-parallel rank holds: no parameters here, and the loader skips its checkpoint
+    tensors (as it does those of modules another pipeline stage owns)."""
 
 
 def select_experts(
@@ -194,7 +252,13 @@ class FusedMoE(nn.Module):
     ``experts`` (GPT-OSS ``gate_up_proj`` / ``down_proj``). ``cast_weights_to_input_dtype``: Qwen3-MoE casts the
     float32 router weights to the activations' dtype before scaling the expert outputs; Mixtral keeps them
     float32 (both as transformers). ``expert_bias``: each expert's two projections have biases (stacked layout
-    only). ``hidden_act``: ``"silu"`` or ``"swigluoai"`` (GPT-OSS, with ``swiglu_alpha`` and ``swiglu_limit``)."""
+    only). ``hidden_act``: ``"silu"`` or ``"swigluoai"`` (GPT-OSS, with ``swiglu_alpha`` and ``swiglu_limit``).
+
+    ``tp``: the tensor-parallel group (one rank when None); ``expert_parallel``: split the experts over its ranks
+    instead of the intermediate dim (see the module docstring). ``num_experts_field`` /
+    ``intermediate_size_field``: the config fields named when they do not divide by ``tensor_parallel_size``.
+    This rank holds ``w13: [num_local_experts, 2 * local_intermediate_size, hidden]`` and ``w2: [num_local_experts,
+    hidden, local_intermediate_size]``."""
 
     def __init__(
         self,
@@ -211,8 +275,17 @@ class FusedMoE(nn.Module):
         checkpoint_layout: str = "per_expert",
         swiglu_alpha: float = 1.702,
         swiglu_limit: float = 7.0,
+        tp: TPGroup | None = None,
+        expert_parallel: bool = False,
+        num_experts_field: str = "num_experts",
+        intermediate_size_field: str = "intermediate_size",
     ) -> None:
         super().__init__()
+        tp = tp if tp is not None else TPGroup.single()
+        if tp.size > 1 and checkpoint_layout != "per_expert":
+            raise ValueError(
+                f"MoE checkpoint_layout {checkpoint_layout!r} does not support tensor_parallel_size > 1 yet"
+            )
         if hidden_act not in ("silu", "swish", "swigluoai"):
             raise ValueError(f"unsupported MoE hidden_act {hidden_act!r}; supported: 'silu', 'swigluoai'")
         if checkpoint_layout not in ("per_expert", "stacked_interleaved"):
@@ -223,16 +296,27 @@ class FusedMoE(nn.Module):
             raise ValueError(f"num_experts_per_tok ({top_k}) must be in 1..num_experts ({num_experts})")
         self.num_experts = num_experts
         self.top_k = top_k
+        self.tp = tp
+        self.expert_parallel = bool(expert_parallel) and tp.size > 1  # the flag without TP > 1 does nothing
+        if self.expert_parallel:
+            self.num_local_experts = divide(num_experts, tp.size, num_experts_field)
+            self.local_intermediate_size = intermediate_size
+        else:
+            self.num_local_experts = num_experts
+            self.local_intermediate_size = divide(intermediate_size, tp.size, intermediate_size_field)
+        self.expert_start = tp.rank * self.num_local_experts if self.expert_parallel else 0  # first local expert
+        inter_start = 0 if self.expert_parallel else tp.rank * self.local_intermediate_size
+        num_local, inter = self.num_local_experts, self.local_intermediate_size
         self.renormalize = renormalize
         self.cast_weights_to_input_dtype = cast_weights_to_input_dtype
         self.activation = "swigluoai" if hidden_act == "swigluoai" else "silu"
         self.swiglu_alpha = float(swiglu_alpha)
         self.swiglu_limit = float(swiglu_limit)
-        self.gate = Linear(hidden_size, num_experts, bias=False)  # router: [E, hidden]
-        w13 = torch.empty(num_experts, 2 * intermediate_size, hidden_size)
-        w2 = torch.empty(num_experts, hidden_size, intermediate_size)
-        self.register_buffer("w13", w13, persistent=False)  # [E, 2 * inter, hidden]
-        self.register_buffer("w2", w2, persistent=False)  # [E, hidden, inter]
+        self.gate = Linear(hidden_size, num_experts, bias=False)  # router: [E, hidden], replicated
+        w13 = torch.empty(num_local, 2 * inter, hidden_size)
+        w2 = torch.empty(num_local, hidden_size, inter)
+        self.register_buffer("w13", w13, persistent=False)  # [E_r, 2 * inter_r, hidden]
+        self.register_buffer("w2", w2, persistent=False)  # [E_r, hidden, inter_r]
         w13_bias = torch.empty(num_experts, 2 * intermediate_size) if expert_bias else None
         w2_bias = torch.empty(num_experts, hidden_size) if expert_bias else None
         self.register_buffer("w13_bias", w13_bias, persistent=False)  # [E, 2 * inter] (gate | up) or None
@@ -240,8 +324,13 @@ class FusedMoE(nn.Module):
         if checkpoint_layout == "stacked_interleaved":
             self.experts = _StackedExperts(w13, w2, w13_bias, w2_bias, w13_name, w2_name)
         else:
+            loaders = _SliceLoaders(inter_start, inter, intermediate_size)
+            start = self.expert_start
             self.experts = nn.ModuleList(
-                _Expert(w13[e], w2[e], w13_name, w2_name) for e in range(num_experts)
+                _Expert(w13[e - start], w2[e - start], w13_name, w2_name, loaders)
+                if start <= e < start + num_local
+                else RemoteExpert()
+                for e in range(num_experts)
             )
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [T, hidden] -> ([T, k], [T, k])
@@ -250,8 +339,24 @@ class FusedMoE(nn.Module):
             weights = weights.to(x.dtype)
         return weights, ids
 
+    def local_expert_ids(self, ids: torch.Tensor) -> torch.Tensor:  # [T, k] global -> [T, k] local
+        """Expert parallelism: global expert ids -> this rank's (``id - expert_start``); experts held elsewhere
+        -> ``num_local_experts``, the id both expert paths skip. Identity without expert parallelism. No host
+        read (CUDA-graph safe)."""
+        if not self.expert_parallel:
+            return ids
+        local = ids - self.expert_start
+        remote = (local < 0) | (local >= self.num_local_experts)
+        return local.masked_fill(remote, self.num_local_experts)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        return all_reduce(self.forward_partial(x), self.tp)
+
+    def forward_partial(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        """This rank's part of the routed experts' output (the whole output with one rank): its intermediate
+        slice of every expert (tensor parallelism) or its experts' whole outputs (expert parallelism)."""
         weights, ids = self.route(x)
+        ids = self.local_expert_ids(ids)
         options = dict(
             w13_bias=self.w13_bias,
             w2_bias=self.w2_bias,
@@ -260,5 +365,35 @@ class FusedMoE(nn.Module):
             swiglu_limit=self.swiglu_limit,
         )
         if use_fused_kernels(x):
-            return fused_experts(x, self.w13, self.w2, weights, ids, **options)
+            return fused_experts(
+                x, self.w13, self.w2, weights, ids, remote_experts=self.expert_parallel, **options
+            )
         return fused_experts_ref(x, self.w13, self.w2, weights, ids, **options)  # sorted by expert
+
+
+def verify_moe_tp_config(hf_config: Any, tp_size: int, enable_expert_parallel: bool) -> None:
+    """Start-up check that an MoE model's experts split over ``tp_size`` ranks; ``ValueError`` naming the field
+    (``tensor_parallel_size`` for MoE families without tensor parallelism). Dense models pass untouched."""
+    if tp_size <= 1:
+        return
+    archs = getattr(hf_config, "architectures", None) or []
+    arch = archs[0] if archs else None
+    if arch in MOE_NO_TP_ARCHITECTURES:
+        raise ValueError(f"{arch} does not support tensor_parallel_size > 1 yet")
+    if arch not in MOE_TP_ARCHITECTURES:
+        return
+    num_field = "num_local_experts" if arch == "MixtralForCausalLM" else "num_experts"
+    inter_field = "intermediate_size" if arch == "MixtralForCausalLM" else "moe_intermediate_size"
+    if enable_expert_parallel:
+        num_experts = getattr(hf_config, num_field, None)
+        num_experts = int(num_experts if num_experts is not None else hf_config.num_local_experts)
+        if num_experts % tp_size:
+            raise ValueError(
+                f"enable_expert_parallel: {num_field} ({num_experts}) must be divisible by "
+                f"tensor_parallel_size ({tp_size})"
+            )
+    else:
+        divide(int(getattr(hf_config, inter_field)), tp_size, inter_field)
+    shared = getattr(hf_config, "shared_expert_intermediate_size", None)
+    if arch == "Qwen2MoeForCausalLM" and shared:
+        divide(int(shared), tp_size, "shared_expert_intermediate_size")

@@ -3,6 +3,10 @@ the MLP (``block_sparse_moe``: router ``gate`` + ``experts.{e}.w1/w2/w3``; top-k
 
 Also home of the decoder layer and model body shared by MoE families (``qwen3_moe`` imports them): the Llama
 layer with a per-layer choice of MLP module and attribute name.
+
+Tensor parallelism: the attention splits its heads as Llama's; the MoE block splits every expert's intermediate
+dim, or with ``enable_expert_parallel`` the experts themselves (``pagedllm.layers.fused_moe``), and all-reduces
+its output once. Families whose body sets ``supports_tp = False`` refuse ``tensor_parallel_size > 1``.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from torch import nn
 from pagedllm.attention.base import AttentionBackend
 from pagedllm.distributed.parallel_state import TPGroup
 from pagedllm.layers.embedding import VocabEmbedding
-from pagedllm.layers.fused_moe import FusedMoE
+from pagedllm.layers.fused_moe import EXPERT_PARALLEL_ATTR, FusedMoE
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, get_rope, rope_config
 from pagedllm.models.llama import (
@@ -28,8 +32,9 @@ from pagedllm.models.llama import (
     head_dim_of,
 )
 
-# (config, layer_idx) -> (attribute name of the MLP in the checkpoint, the MLP module)
-MLPFactory = Callable[[Any, int], tuple[str, nn.Module]]
+# (config, layer_idx[, tp]) -> (attribute name of the MLP in the checkpoint, the MLP module); bodies with
+# ``supports_tp`` pass this rank's TP group as the third argument
+MLPFactory = Callable[..., tuple[str, nn.Module]]
 
 
 class MoEDecoderLayer(LlamaDecoderLayer):
@@ -44,12 +49,14 @@ class MoEDecoderLayer(LlamaDecoderLayer):
         rotary_emb: RotaryEmbedding,
         attention_cls: type[LlamaAttention],
         make_mlp: MLPFactory,
+        tp: TPGroup | None = None,
     ) -> None:
         nn.Module.__init__(self)  # not LlamaDecoderLayer's: its dense MLP is not wanted here
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = attention_cls(config, layer_idx, attn_backend, rotary_emb)
+        tp_kwargs = {} if tp is None else {"tp": tp}
+        self.self_attn = attention_cls(config, layer_idx, attn_backend, rotary_emb, **tp_kwargs)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp_name, mlp = make_mlp(config, layer_idx)
+        self.mlp_name, mlp = make_mlp(config, layer_idx, *(() if tp is None else (tp,)))
         self.add_module(self.mlp_name, mlp)
 
     def run_mlp(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, hidden_size] -> [T, hidden_size]
@@ -60,6 +67,7 @@ class MoEModel(LlamaModel):
     """``LlamaModel`` (same forward) whose layers are ``MoEDecoderLayer`` built with ``make_mlp``."""
 
     make_mlp: MLPFactory
+    supports_tp: bool = False  # True: make_mlp takes the TP group and builds TP-aware blocks
 
     def __init__(
         self,
@@ -69,19 +77,25 @@ class MoEModel(LlamaModel):
         tp: TPGroup | None = None,
     ) -> None:
         nn.Module.__init__(self)  # LlamaModel.__init__ would build dense MLPs
-        if tp is not None and tp.size > 1:
+        if tp is not None and tp.size > 1 and not self.supports_tp:
             raise ValueError(f"{type(self).__name__} does not support tensor_parallel_size > 1 yet")
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        layer_tp = tp if self.supports_tp else None
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp=layer_tp)
         theta, rope_scaling = rope_config(config)
         rotary_emb = get_rope(head_dim_of(config), config.max_position_embeddings, theta, rope_scaling)
         self.layers = nn.ModuleList(
-            MoEDecoderLayer(config, i, attn_backend, rotary_emb, attention_cls, type(self).make_mlp)
+            MoEDecoderLayer(config, i, attn_backend, rotary_emb, attention_cls, type(self).make_mlp, layer_tp)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-def mixtral_moe(config: Any, layer_idx: int) -> tuple[str, nn.Module]:
+def expert_parallel(config: Any) -> bool:
+    """Whether the engine asked for expert parallelism (``ParallelConfig.enable_expert_parallel``)."""
+    return bool(getattr(config, EXPERT_PARALLEL_ATTR, False))
+
+
+def mixtral_moe(config: Any, layer_idx: int, tp: TPGroup | None = None) -> tuple[str, nn.Module]:
     return "block_sparse_moe", FusedMoE(
         num_experts=config.num_local_experts,
         top_k=config.num_experts_per_tok,
@@ -91,11 +105,16 @@ def mixtral_moe(config: Any, layer_idx: int) -> tuple[str, nn.Module]:
         w13_name="w13",
         w2_name="w2",
         hidden_act=config.hidden_act,
+        tp=tp,
+        expert_parallel=expert_parallel(config),
+        num_experts_field="num_local_experts",
+        intermediate_size_field="intermediate_size",
     )
 
 
 class MixtralModel(MoEModel):
     make_mlp = staticmethod(mixtral_moe)
+    supports_tp = True
 
 
 class MixtralForCausalLM(LlamaForCausalLM):

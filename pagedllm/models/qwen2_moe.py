@@ -3,7 +3,11 @@
 ``norm_topk_prob``) plus one always-on shared expert (``mlp.shared_expert.*``, ``shared_expert_intermediate_size``
 wide) whose output is scaled by ``sigmoid(mlp.shared_expert_gate(x))``, a scalar per token. Which layers are
 sparse follows Qwen3-MoE's rule (``decoder_sparse_step``, ``mlp_only_layers``); the others keep a dense
-``intermediate_size`` MLP."""
+``intermediate_size`` MLP.
+
+Under tensor parallelism the shared expert is split like a dense MLP (``gate_up_proj`` column-, ``down_proj``
+row-parallel, left unreduced) and its gated partial output is added to the routed experts' partial output before
+the block's single all-reduce; ``shared_expert_gate`` (a per-token scalar) is replicated."""
 
 from __future__ import annotations
 
@@ -13,11 +17,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.distributed.parallel_state import TPGroup
 from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.layers.linear import Linear
 from pagedllm.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, layer_types_sliding_window
-from pagedllm.models.mixtral import MoEModel
-from pagedllm.models.qwen3_moe import is_sparse_layer
+from pagedllm.models.mixtral import MoEModel, expert_parallel
+from pagedllm.models.qwen3_moe import is_sparse_layer, num_experts_of
 
 
 def qwen2_moe_layer_sliding_window(config: Any, layer_idx: int) -> int | None:
@@ -52,9 +57,9 @@ class Qwen2MoeSparseMoe(FusedMoE):
         out = experts(x) + sigmoid(x @ shared_expert_gate.T) * shared_expert(x)      # gate: [1, hidden]
     """
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, tp: TPGroup | None = None) -> None:
         super().__init__(
-            num_experts=config.num_experts,
+            num_experts=num_experts_of(config),
             top_k=config.num_experts_per_tok,
             hidden_size=config.hidden_size,
             intermediate_size=config.moe_intermediate_size,
@@ -63,23 +68,31 @@ class Qwen2MoeSparseMoe(FusedMoE):
             w2_name="down_proj",
             cast_weights_to_input_dtype=True,
             hidden_act=config.hidden_act,
+            tp=tp,
+            expert_parallel=expert_parallel(config),
+            num_experts_field="num_experts",
+            intermediate_size_field="moe_intermediate_size",
         )
-        self.shared_expert = LlamaMLP(_dense_mlp_config(config, config.shared_expert_intermediate_size))
-        self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
+        self.shared_expert = LlamaMLP(_dense_mlp_config(config, config.shared_expert_intermediate_size), tp=tp)
+        self.shared_expert.down_proj.reduce_results = False  # summed with the routed part, then all-reduced once
+        self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)  # replicated
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+    def forward_partial(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        """This rank's part of the routed experts' output plus its part of the gated shared expert's; the gate
+        is a per-token scalar, so it scales each rank's partial sum."""
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # [T, 1] * [T, hidden]
-        return super().forward(x) + shared
+        return super().forward_partial(x) + shared
 
 
-def qwen2_moe_mlp(config: Any, layer_idx: int) -> tuple[str, nn.Module]:
+def qwen2_moe_mlp(config: Any, layer_idx: int, tp: TPGroup | None = None) -> tuple[str, nn.Module]:
     if not is_sparse_layer(config, layer_idx):
-        return "mlp", LlamaMLP(_dense_mlp_config(config, config.intermediate_size))
-    return "mlp", Qwen2MoeSparseMoe(config)
+        return "mlp", LlamaMLP(_dense_mlp_config(config, config.intermediate_size), tp=tp)
+    return "mlp", Qwen2MoeSparseMoe(config, tp=tp)
 
 
 class Qwen2MoeModel(MoEModel):
     make_mlp = staticmethod(qwen2_moe_mlp)
+    supports_tp = True
 
 
 class Qwen2MoeForCausalLM(LlamaForCausalLM):

@@ -9,20 +9,28 @@ from typing import Any
 
 from torch import nn
 
+from pagedllm.distributed.parallel_state import TPGroup
 from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.models.llama import LlamaForCausalLM, LlamaMLP
-from pagedllm.models.mixtral import MoEModel
+from pagedllm.models.mixtral import MoEModel, expert_parallel
 from pagedllm.models.qwen3 import Qwen3Attention
+
+
+def num_experts_of(config: Any) -> int:
+    """``num_experts``; recent transformers store it as ``num_local_experts`` (an ``attribute_map`` alias, which
+    the plain config copy sent to worker processes does not keep)."""
+    value = getattr(config, "num_experts", None)
+    return int(value if value is not None else config.num_local_experts)
 
 
 def is_sparse_layer(config: Any, layer_idx: int) -> bool:
     """transformers' rule: MoE unless listed in ``mlp_only_layers``, on every ``decoder_sparse_step``-th layer."""
     mlp_only = getattr(config, "mlp_only_layers", None) or []
     step = getattr(config, "decoder_sparse_step", 1) or 1
-    return layer_idx not in mlp_only and config.num_experts > 0 and (layer_idx + 1) % step == 0
+    return layer_idx not in mlp_only and num_experts_of(config) > 0 and (layer_idx + 1) % step == 0
 
 
-def qwen3_moe_mlp(config: Any, layer_idx: int) -> tuple[str, nn.Module]:
+def qwen3_moe_mlp(config: Any, layer_idx: int, tp: TPGroup | None = None) -> tuple[str, nn.Module]:
     if not is_sparse_layer(config, layer_idx):
         dense = SimpleNamespace(
             hidden_size=config.hidden_size,
@@ -30,9 +38,9 @@ def qwen3_moe_mlp(config: Any, layer_idx: int) -> tuple[str, nn.Module]:
             hidden_act=config.hidden_act,
             mlp_bias=False,
         )
-        return "mlp", LlamaMLP(dense)
+        return "mlp", LlamaMLP(dense, tp=tp)
     return "mlp", FusedMoE(
-        num_experts=config.num_experts,
+        num_experts=num_experts_of(config),
         top_k=config.num_experts_per_tok,
         hidden_size=config.hidden_size,
         intermediate_size=config.moe_intermediate_size,
@@ -41,11 +49,16 @@ def qwen3_moe_mlp(config: Any, layer_idx: int) -> tuple[str, nn.Module]:
         w2_name="down_proj",
         cast_weights_to_input_dtype=True,
         hidden_act=config.hidden_act,
+        tp=tp,
+        expert_parallel=expert_parallel(config),
+        num_experts_field="num_experts",
+        intermediate_size_field="moe_intermediate_size",
     )
 
 
 class Qwen3MoeModel(MoEModel):
     make_mlp = staticmethod(qwen3_moe_mlp)
+    supports_tp = True
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
