@@ -27,6 +27,15 @@ appends the sampled tokens that ride along with the next ``launch``::
 Synchronous scheduling and eager steps, as under TP. Speculative decoding, LoRA and quantized models are refused
 with pipeline_parallel_size > 1 (pagedllm/config.py).
 
+Speculative decoding under TP (n-gram and draft-model proposers; EAGLE is refused in pagedllm/config.py): the
+proposer runs in the engine core only (a draft model whole, unsharded, on rank 0, its KV cache keyed by the
+target's block ids); the drafts ride in the broadcast ``SchedulerOutput`` (``scheduled_spec_decode_tokens``), so
+every rank feeds them as extra query tokens and computes the same verification logits (the logits all-gather
+meets). Only rank 0 verifies; its ``collect`` gives each request its emitted tokens (accepted drafts plus one),
+which ride with the next launch like any sampled tokens: a worker appends exactly those, and the rejected drafts,
+left past the row's known tokens on every rank, are overwritten later, as on rank 0. ``check_batches`` compares
+every rank's batch with rank 0's (tests).
+
 Multi-LoRA: every rank has its own ``LoRAManager`` over its shard (pagedllm/lora/layers.py says which part of an
 adapter each layer keeps). The engine core's ``add_lora`` / ``remove_lora`` reach every rank in the same order
 (``TPLoRAManager``: rank 0 first, so a bad adapter is refused before any worker sees it; then the workers, whose
@@ -124,6 +133,9 @@ def _worker_main(config: EngineConfig, rank: int, init_file: str) -> None:
                 except Exception as e:  # noqa: BLE001 - reported to rank 0, which raises it
                     error = f"{type(e).__name__}: {e}"
                 dist.gather_object(error, None, dst=0, group=control)
+            elif method == "batch_tokens":
+                pending = None if samples else args[0]  # the sampler already holds its own tokens
+                dist.gather_object(_batch_tokens(runner, pending), None, dst=0, group=control)
             elif method == "determine_num_blocks":
                 n = torch.tensor([runner.determine_num_blocks(*args)])
                 dist.all_reduce(n, op=dist.ReduceOp.MIN, group=control)
@@ -140,6 +152,17 @@ def _sample_for_rank0(runner: Any, step: Any, link: Any, rank: int) -> None:
     dist.broadcast_object_list(msg, src=0, group=link)
     runner.sample(step, msg[0])
     dist.broadcast_object_list([runner.collect(step)], src=rank, group=link)
+
+
+def _batch_tokens(runner: Any, pending: dict[str, list[int]] | None) -> dict[str, list[int]]:
+    """Each request's known tokens in ``runner``'s persistent batch, plus ``pending`` (tokens sampled elsewhere
+    that this rank appends at the next launch). Drafts past a row's known tokens are not part of it."""
+    batch = runner.input_batch
+    out = {}
+    for req_id, row in batch.req_id_to_row.items():
+        tokens = batch.token_ids_np[row, : int(batch.num_tokens_np[row])].tolist()
+        out[req_id] = tokens + list((pending or {}).get(req_id, ()))
+    return out
 
 
 def _check_lora_slots(runner: Any, rank: int, expected: list[tuple[int, int]] | None) -> None:
@@ -244,6 +267,25 @@ class MultiprocRunner:
         failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
         if failed:
             raise ValueError(f"{method} failed on tensor-parallel {'; '.join(failed)}")
+
+    def check_batches(self) -> None:
+        """``RuntimeError`` naming the rank and request when a rank's persistent batch differs from rank 0's
+        (each request's known tokens, counting the sampled tokens a rank appends at the next launch). A
+        consistency check for tests and debugging: after speculative steps, every rank must hold the emitted
+        tokens (accepted drafts plus one) and none of the rejected drafts."""
+        if self._uncollected is not None:
+            self.collect(self._uncollected)
+        self._broadcast("batch_tokens", self._sampled)
+        states: list[Any] = [None] * self._size
+        mine = _batch_tokens(self.runner, self._sampled if self._link is not None else None)
+        dist.gather_object(mine, states, dst=0, group=self._control)
+        for rank, state in enumerate(states[1:], start=1):
+            if state != mine:
+                bad = sorted(r for r in set(state) | set(mine) if state.get(r) != mine.get(r))
+                raise RuntimeError(
+                    f"rank {rank}: persistent batch differs from rank 0's for request(s) {bad[:5]} "
+                    f"(rank 0: {[mine.get(r) for r in bad[:1]]}, rank {rank}: {[state.get(r) for r in bad[:1]]})"
+                )
 
     def determine_num_blocks(self, extra_block_bytes: int = 0) -> int:
         """The smallest block count any rank can hold (every rank uses the same block ids)."""

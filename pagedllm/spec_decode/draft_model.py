@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from pagedllm.config import EngineConfig, ModelConfig
+from pagedllm.config import EngineConfig, ModelConfig, ParallelConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request
 from pagedllm.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -65,7 +65,14 @@ def draft_engine_config(config: EngineConfig) -> EngineConfig:
             f"max_model_len ({target.max_model_len}); lower max_model_len"
         )
     draft_model.max_model_len = target.max_model_len
-    return replace(config, model_config=draft_model, speculative_config=None, lora_config=None)
+    # Under tensor parallelism the draft is not sharded: it runs whole in the engine core's process (rank 0).
+    return replace(
+        config,
+        model_config=draft_model,
+        speculative_config=None,
+        lora_config=None,
+        parallel_config=ParallelConfig(),
+    )
 
 
 class DraftModelProposer:

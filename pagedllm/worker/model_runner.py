@@ -572,7 +572,9 @@ class ModelRunner:
             start += int(step.spec_num_draft[j]) + 1
 
     def apply_sampled(self, sampled: dict[str, list[int]]) -> None:
-        """A tensor-parallel worker's stand-in for ``sample`` + ``collect``: append the tokens rank 0 sampled."""
+        """A tensor-parallel worker's stand-in for ``sample`` + ``collect``: append the tokens rank 0 sampled.
+        After a speculative step those are each request's emitted tokens (accepted drafts plus one), as
+        ``_collect_spec`` appends them on rank 0; rejected drafts stay past the row's known tokens, unused."""
         batch = self.input_batch
         for req_id, tokens in sampled.items():
             row = batch.req_id_to_row.get(req_id)
