@@ -333,6 +333,9 @@ def main(args: argparse.Namespace) -> int:
     if getattr(args, "lora_path", None) is not None and (args.backend == "hf" or not args.enable_lora):
         print("error: --lora-path needs --backend pagedllm and --enable-lora", file=sys.stderr)
         return 2
+    if getattr(args, "num_loras", None) is not None and args.num_loras < 1:
+        print(f"error: --num-loras must be >= 1, got {args.num_loras}", file=sys.stderr)
+        return 2
     result = run_hf(args, temperature) if args.backend == "hf" else run_pagedllm(args, temperature)
     what = result.backend + "".join(f", {x}" for x in (result.structured_outputs, result.lora) if x)
     print(

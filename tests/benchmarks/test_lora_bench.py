@@ -50,3 +50,9 @@ def test_lora_path_needs_enable_lora(capsys) -> None:
     args = _parser().parse_args(["--lora-path", "x"])
     assert throughput.main(args) == 2
     assert "--lora-path needs --backend pagedllm and --enable-lora" in capsys.readouterr().err
+
+
+def test_num_loras_must_be_positive(capsys) -> None:
+    args = _parser().parse_args(["--enable-lora", "--lora-path", "x", "--num-loras", "0"])
+    assert throughput.main(args) == 2
+    assert "--num-loras must be >= 1, got 0" in capsys.readouterr().err
