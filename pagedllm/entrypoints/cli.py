@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import Any
 
@@ -99,9 +100,17 @@ def main(argv: list[str] | None = None) -> int:
             leaves[("bench",)].print_help()
             return 2
         module_name, _ = BENCH_COMMANDS[args.bench_command]
-        return int(_load(module_name, f"bench {args.bench_command}").main(args) or 0)
-    module_name, _ = COMMANDS[args.command]
-    return int(_load(module_name, args.command).main(args) or 0)
+        command = _load(module_name, f"bench {args.bench_command}").main
+    else:
+        module_name, _ = COMMANDS[args.command]
+        command = _load(module_name, args.command).main
+    try:
+        return int(command(args) or 0)
+    except ValueError as e:  # a bad flag value the engine's config refused: the message names the field
+        if os.environ.get("PAGEDLLM_TRACEBACK"):
+            raise
+        print(f"error: {e} (PAGEDLLM_TRACEBACK=1 shows where)", file=sys.stderr)
+        return 2
 
 
 # ----------------------------------------------------------------------------------- pagedllm chat

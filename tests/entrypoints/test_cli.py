@@ -118,3 +118,15 @@ def test_new_engine_flags_reach_the_engine_config(tiny_llama):
     for bad in (["--kv-cache-dtype", "int8"], ["--quantization", "int3"], ["--tensor-parallel-size", "x"]):
         with pytest.raises(SystemExit):
             parser.parse_args(bad)
+
+
+def test_a_refused_engine_flag_is_a_usage_error(capsys):
+    """A value the engine's config refuses (here -pp 0) ends the command with its message and exit 2, no
+    traceback."""
+    from pagedllm.demo import default_model
+
+    argv = ["generate", "hi", "--model", default_model(), "--device", "cpu", "--max-tokens", "2"]
+    assert cli.main(argv + ["-pp", "0"]) == 2
+    assert "error: pipeline_parallel_size must be an integer >= 1, got 0" in capsys.readouterr().err
+    assert cli.main(argv + ["--block-size", "3"]) == 2
+    assert "block_size must be a power of two" in capsys.readouterr().err
