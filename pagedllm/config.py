@@ -51,6 +51,16 @@ class PlainHFConfig:
     def __init__(self, attrs: dict[str, Any]) -> None:
         self.__dict__.update(attrs)
 
+    @classmethod
+    def from_hf(cls, config: Any) -> PlainHFConfig:
+        """``config.to_dict()`` plus the aliases of its ``attribute_map`` (``num_experts`` for Qwen3-MoE's
+        ``num_local_experts``, ...), which ``to_dict`` leaves out but model code reads."""
+        attrs = config.to_dict()
+        for alias, name in (getattr(config, "attribute_map", None) or {}).items():
+            if alias not in attrs and name in attrs:
+                attrs[alias] = attrs[name]
+        return cls(attrs)
+
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
@@ -116,7 +126,7 @@ class ModelConfig:
         state = dict(self.__dict__)
         cfg = state.get("hf_config")
         if cfg is not None and not isinstance(cfg, PlainHFConfig):
-            state["hf_config"] = PlainHFConfig(cfg.to_dict())
+            state["hf_config"] = PlainHFConfig.from_hf(cfg)
         return state
 
     def _resolve_dtype(self, dtype: str | torch.dtype) -> torch.dtype:
@@ -303,7 +313,7 @@ class SpeculativeConfig:
             return
         from transformers import AutoConfig
 
-        self.draft_hf_config = PlainHFConfig(AutoConfig.from_pretrained(self.model).to_dict())
+        self.draft_hf_config = PlainHFConfig.from_hf(AutoConfig.from_pretrained(self.model))
         vocab = getattr(self.draft_hf_config, "vocab_size", None)
         if self.method == "draft_model" and vocab != target.vocab_size:
             raise ValueError(

@@ -11,7 +11,6 @@ the block's single all-reduce; ``shared_expert_gate`` (a per-token scalar) is re
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -20,9 +19,9 @@ from torch import nn
 from pagedllm.distributed.parallel_state import TPGroup
 from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.layers.linear import Linear
-from pagedllm.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, layer_types_sliding_window
-from pagedllm.models.mixtral import MoEModel, expert_parallel
-from pagedllm.models.qwen3_moe import is_sparse_layer, num_experts_of
+from pagedllm.models.llama import LlamaAttention, LlamaForCausalLM, layer_types_sliding_window
+from pagedllm.models.mixtral import MoEModel
+from pagedllm.models.qwen3_moe import dense_mlp, is_sparse_layer, qwen_moe_kwargs
 
 
 def qwen2_moe_layer_sliding_window(config: Any, layer_idx: int) -> int | None:
@@ -41,15 +40,6 @@ class Qwen2MoeAttention(LlamaAttention):
         return bool(getattr(config, "qkv_bias", True)), False
 
 
-def _dense_mlp_config(config: Any, intermediate_size: int) -> SimpleNamespace:
-    return SimpleNamespace(
-        hidden_size=config.hidden_size,
-        intermediate_size=intermediate_size,
-        hidden_act=config.hidden_act,
-        mlp_bias=False,
-    )
-
-
 class Qwen2MoeSparseMoe(FusedMoE):
     """``FusedMoE`` (routing as Qwen3-MoE: float32 softmax, top-k, optional renormalisation, weights cast to the
     activations' dtype) plus the gated shared expert::
@@ -58,22 +48,8 @@ class Qwen2MoeSparseMoe(FusedMoE):
     """
 
     def __init__(self, config: Any, tp: TPGroup | None = None) -> None:
-        super().__init__(
-            num_experts=num_experts_of(config),
-            top_k=config.num_experts_per_tok,
-            hidden_size=config.hidden_size,
-            intermediate_size=config.moe_intermediate_size,
-            renormalize=bool(config.norm_topk_prob),
-            w13_name="gate_up_proj",
-            w2_name="down_proj",
-            cast_weights_to_input_dtype=True,
-            hidden_act=config.hidden_act,
-            tp=tp,
-            expert_parallel=expert_parallel(config),
-            num_experts_field="num_experts",
-            intermediate_size_field="moe_intermediate_size",
-        )
-        self.shared_expert = LlamaMLP(_dense_mlp_config(config, config.shared_expert_intermediate_size), tp=tp)
+        super().__init__(**qwen_moe_kwargs(config, tp))
+        self.shared_expert = dense_mlp(config, config.shared_expert_intermediate_size, tp)
         self.shared_expert.down_proj.reduce_results = False  # summed with the routed part, then all-reduced once
         self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)  # replicated
 
@@ -86,7 +62,7 @@ class Qwen2MoeSparseMoe(FusedMoE):
 
 def qwen2_moe_mlp(config: Any, layer_idx: int, tp: TPGroup | None = None) -> tuple[str, nn.Module]:
     if not is_sparse_layer(config, layer_idx):
-        return "mlp", LlamaMLP(_dense_mlp_config(config, config.intermediate_size), tp=tp)
+        return "mlp", dense_mlp(config, config.intermediate_size, tp)
     return "mlp", Qwen2MoeSparseMoe(config, tp=tp)
 
 

@@ -16,31 +16,28 @@ from pagedllm.models.mixtral import MoEModel, expert_parallel
 from pagedllm.models.qwen3 import Qwen3Attention
 
 
-def num_experts_of(config: Any) -> int:
-    """``num_experts``; recent transformers store it as ``num_local_experts`` (an ``attribute_map`` alias, which
-    the plain config copy sent to worker processes does not keep)."""
-    value = getattr(config, "num_experts", None)
-    return int(value if value is not None else config.num_local_experts)
-
-
 def is_sparse_layer(config: Any, layer_idx: int) -> bool:
     """transformers' rule: MoE unless listed in ``mlp_only_layers``, on every ``decoder_sparse_step``-th layer."""
     mlp_only = getattr(config, "mlp_only_layers", None) or []
     step = getattr(config, "decoder_sparse_step", 1) or 1
-    return layer_idx not in mlp_only and num_experts_of(config) > 0 and (layer_idx + 1) % step == 0
+    return layer_idx not in mlp_only and config.num_experts > 0 and (layer_idx + 1) % step == 0
 
 
-def qwen3_moe_mlp(config: Any, layer_idx: int, tp: TPGroup | None = None) -> tuple[str, nn.Module]:
-    if not is_sparse_layer(config, layer_idx):
-        dense = SimpleNamespace(
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            hidden_act=config.hidden_act,
-            mlp_bias=False,
-        )
-        return "mlp", LlamaMLP(dense, tp=tp)
-    return "mlp", FusedMoE(
-        num_experts=num_experts_of(config),
+def dense_mlp(config: Any, intermediate_size: int, tp: TPGroup | None = None) -> LlamaMLP:
+    """A dense SwiGLU MLP of ``intermediate_size`` (the Qwen MoE families' dense layers and shared expert)."""
+    dense = SimpleNamespace(
+        hidden_size=config.hidden_size,
+        intermediate_size=intermediate_size,
+        hidden_act=config.hidden_act,
+        mlp_bias=False,
+    )
+    return LlamaMLP(dense, tp=tp)
+
+
+def qwen_moe_kwargs(config: Any, tp: TPGroup | None = None) -> dict[str, Any]:
+    """``FusedMoE``'s arguments for the Qwen MoE families (routing, checkpoint names, TP / expert parallel)."""
+    return dict(
+        num_experts=config.num_experts,
         top_k=config.num_experts_per_tok,
         hidden_size=config.hidden_size,
         intermediate_size=config.moe_intermediate_size,
@@ -54,6 +51,12 @@ def qwen3_moe_mlp(config: Any, layer_idx: int, tp: TPGroup | None = None) -> tup
         num_experts_field="num_experts",
         intermediate_size_field="moe_intermediate_size",
     )
+
+
+def qwen3_moe_mlp(config: Any, layer_idx: int, tp: TPGroup | None = None) -> tuple[str, nn.Module]:
+    if not is_sparse_layer(config, layer_idx):
+        return "mlp", dense_mlp(config, config.intermediate_size, tp)
+    return "mlp", FusedMoE(**qwen_moe_kwargs(config, tp))
 
 
 class Qwen3MoeModel(MoEModel):
