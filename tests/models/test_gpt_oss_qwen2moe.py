@@ -18,7 +18,13 @@ from safetensors.torch import load_file, save_file
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.fused_moe import FusedMoE
 from tests.models import test_arch_matrix as arch_matrix
-from tests.models.test_models import PagedRunner, hf_logits, load_ours, random_prompt
+from tests.models.test_models import (
+    PagedRunner,
+    assert_ragged_and_chunked_logits,
+    hf_logits,
+    load_ours,
+    random_prompt,
+)
 from tests.utils import train_tiny_tokenizer
 
 ATOL = 1e-5
@@ -153,19 +159,7 @@ def test_logits_match_transformers(model_dirs, variant: str) -> None:
     steps with padding tokens: transformers' logits at every position."""
     path = model_dirs[variant]
     model, model_config = load_ours(path)
-    prompts = [random_prompt(n, model_config.vocab_size, seed=n) for n in (5, 21, 13)]
-    out = PagedRunner(model, model_config).step(dict(enumerate(prompts)))
-    for i, prompt in enumerate(prompts):
-        torch.testing.assert_close(out[i], hf_logits(path, prompt), atol=ATOL, rtol=0)
-
-    seq = random_prompt(19, model_config.vocab_size, seed=3)
-    expected = hf_logits(path, seq)
-    runner = PagedRunner(model, model_config, num_pad=2)
-    done = 0
-    for size in (7, 5, 3, 1, 1, 1, 1):
-        out = runner.step({0: seq[done : done + size]})
-        torch.testing.assert_close(out[0], expected[done : done + size], atol=ATOL, rtol=0)
-        done += size
+    assert_ragged_and_chunked_logits(path, model, model_config, (5, 21, 13), ATOL)
 
 
 @pytest.mark.parametrize("variant", ["gpt_oss", "qwen2_moe-window-dense"])

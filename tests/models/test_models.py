@@ -130,6 +130,23 @@ def random_prompt(length: int, vocab_size: int, seed: int) -> list[int]:
     return torch.randint(3, vocab_size, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def assert_ragged_and_chunked_logits(path: str, model, model_config, prompt_lens, atol: float) -> None:
+    """transformers' logits at every position: a ragged prefill of prompts of ``prompt_lens`` in one forward, then
+    one 19-token sequence in chunks of 7, 5 and 3 and single-token decodes, with two padding tokens."""
+    prompts = [random_prompt(n, model_config.vocab_size, seed=n) for n in prompt_lens]
+    out = PagedRunner(model, model_config).step(dict(enumerate(prompts)))
+    for i, prompt in enumerate(prompts):
+        torch.testing.assert_close(out[i], hf_logits(path, prompt), atol=atol, rtol=0)
+    seq = random_prompt(19, model_config.vocab_size, seed=3)
+    expected = hf_logits(path, seq)
+    runner = PagedRunner(model, model_config, num_pad=2)
+    done = 0
+    for size in (7, 5, 3, 1, 1, 1, 1):
+        out = runner.step({0: seq[done : done + size]})
+        torch.testing.assert_close(out[0], expected[done : done + size], atol=atol, rtol=0)
+        done += size
+
+
 def test_ragged_prefill_matches_hf(model_dir: str) -> None:
     model, model_config = load_ours(model_dir)
     prompts = [random_prompt(n, model_config.vocab_size, seed=n) for n in (5, 17, 9)]
