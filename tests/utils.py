@@ -229,6 +229,35 @@ def _tiny_config(arch: str, vocab_size: int, bos_id: int, eos_id: int, pad_id: i
     return cls(**common)
 
 
+def _default_weight(name: str) -> tuple[float, float]:
+    """(offset, std) of a random weight: norm weights around 1, biases small, the rest std 0.15."""
+    if name.endswith("norm.weight"):
+        return 1.0, 0.1
+    if name.endswith(".bias"):
+        return 0.0, 0.1
+    return 0.0, 0.15
+
+
+def save_random_model(config, tokenizer, path: str | Path, seed: int, weight=_default_weight, **save_kw) -> str:
+    """Build ``config``'s transformers model with seeded random weights (``weight(name)`` -> (offset, std); larger
+    than transformers' init, so greedy generation moves around and every part matters), save it with
+    ``tokenizer`` to ``path``; return the directory."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            offset, std = weight(name)
+            param.copy_(offset + std * torch.randn(param.shape, generator=gen))
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, **save_kw)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
 def make_tiny_model(
     arch: str,
     path: str | Path,
@@ -247,7 +276,6 @@ def make_tiny_model(
     weights around 1, random biases) so greedy generation moves around instead of repeating one token.
     ``shard=True`` saves several safetensors files plus ``model.safetensors.index.json``.
     """
-    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -263,23 +291,7 @@ def make_tiny_model(
         **config_overrides,
     )
     seed = sum(arch.encode())  # a different (fixed) set of weights per arch
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=gen)
-            if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.1 * noise)
-            elif name.endswith(".bias"):
-                param.copy_(0.1 * noise)
-            else:
-                param.copy_(0.15 * noise)
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, max_shard_size="100KB" if shard else "50GB")
-    tokenizer.save_pretrained(path)
-    return str(path)
+    return save_random_model(config, tokenizer, path, seed, max_shard_size="100KB" if shard else "50GB")
 
 
 def _load_hf(path: str | Path):

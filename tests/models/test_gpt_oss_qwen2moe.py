@@ -25,7 +25,7 @@ from tests.models.test_models import (
     load_ours,
     random_prompt,
 )
-from tests.utils import train_tiny_tokenizer
+from tests.utils import _default_weight, save_random_model, train_tiny_tokenizer
 
 ATOL = 1e-5
 WINDOW = 8  # far shorter than the test prompts
@@ -114,30 +114,21 @@ def _config(model_type: str, tokenizer, **overrides):
 def make_tiny(model_type: str, path: Path, seed: int, **overrides) -> str:
     """A tiny random checkpoint saved by transformers' ``save_pretrained`` (+ the tiny tokenizer). Weights are
     larger than transformers' init (std 0.15, random biases, sinks around 0.5 +- 1) so every part matters."""
-    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     tokenizer = train_tiny_tokenizer()
     config = _config(model_type, tokenizer, **overrides)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=gen)
-            if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.1 * noise)
-            elif name.endswith("sinks"):
-                param.copy_(0.5 + noise)
-            elif name.endswith("bias"):
-                param.copy_(0.1 * noise)
-            else:
-                param.copy_(0.15 * noise)
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
+    return save_random_model(config, tokenizer, path, seed, weight=_weight)
+
+
+def _weight(name: str) -> tuple[float, float]:
+    """(offset, std): sinks around 0.5 +- 1; expert biases (``gate_up_proj_bias``, ...) small like the others."""
+    if name.endswith("sinks"):
+        return 0.5, 1.0
+    if name.endswith("bias"):
+        return 0.0, 0.1
+    return _default_weight(name)
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from tests.models.test_models import (
     load_ours,
     random_prompt,
 )
-from tests.utils import hf_greedy, train_tiny_tokenizer
+from tests.utils import hf_greedy, save_random_model, train_tiny_tokenizer
 
 ATOL = 1e-5
 
@@ -75,7 +75,6 @@ def _moe_config(arch: str, vocab_size: int, bos_id: int, eos_id: int, pad_id: in
 
 def make_tiny_moe(arch: str, path: Path, seed: int, **overrides) -> str:
     """A tiny random MoE checkpoint saved by transformers' ``save_pretrained`` (+ the tiny tokenizer)."""
-    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -88,17 +87,7 @@ def make_tiny_moe(arch: str, path: Path, seed: int, **overrides) -> str:
         tokenizer.pad_token_id,
         **overrides,
     )
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=gen)
-            param.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else 0.15 * noise)
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
+    return save_random_model(config, tokenizer, path, seed)  # (these configs have no biases)
 
 
 @pytest.fixture(scope="module")
