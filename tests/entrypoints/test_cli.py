@@ -115,6 +115,11 @@ def test_new_engine_flags_reach_the_engine_config(tiny_llama):
     assert config.parallel_config.distributed_executor_backend == "mp"
     kw.update(tensor_parallel_size=2, data_parallel_size=1, quantization=None)
     assert make_engine_config(tiny_llama, **kw).parallel_config.tensor_parallel_size == 2
+    more = parser.parse_args(["--model", tiny_llama, "-pp", "2", "--enable-expert-parallel"])
+    assert more.pipeline_parallel_size == 2 and more.enable_expert_parallel
+    kw = engine_kwargs_from_args(more)
+    assert kw["pipeline_parallel_size"] == 2 and kw["enable_expert_parallel"] is True
+    assert make_engine_config(tiny_llama, **kw).parallel_config.enable_expert_parallel  # no-op for a dense model
     for bad in (["--kv-cache-dtype", "int8"], ["--quantization", "int3"], ["--tensor-parallel-size", "x"]):
         with pytest.raises(SystemExit):
             parser.parse_args(bad)
