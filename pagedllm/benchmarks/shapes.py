@@ -1,7 +1,7 @@
 """Model directories with a real model's shape and no weights, for `--load-format dummy` benchmarks.
 
 ``python -m pagedllm.benchmarks.shapes OUT_DIR`` writes ``OUT_DIR/<name>`` for every entry of ``SHAPES``
-(llama-3.1-8b, qwen3-0.6b, qwen3-30b-a3b, deepseek-v2-lite): the architecture's config.json and a small stand-in
+(llama-3.1-8b, llama-3.3-70b, qwen3-0.6b, qwen3-30b-a3b, deepseek-v2-lite): the architecture's config.json and a small stand-in
 tokenizer (benchmarks send token ids and skip detokenizing).
 """
 
@@ -36,6 +36,33 @@ SHAPES: dict[str, dict] = {
         "hidden_act": "silu",
         "bos_token_id": 128000,
         "eos_token_id": 128001,
+        "torch_dtype": "bfloat16",
+    },
+    # Llama-3.3-70B: 80 layers of hidden 8192, 64 query / 8 KV heads, MLP 28672 (tensor-parallel runs).
+    "llama-3.3-70b": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "bos_token_id": 128000,
+        "eos_token_id": 128009,
         "torch_dtype": "bfloat16",
     },
     "qwen3-0.6b": {

@@ -11,7 +11,8 @@ along with the next ``launch`` so the workers' persistent batches stay identical
     rank 0:   launch(step N) ─ sample ─ collect ──► broadcast(("launch", sched N+1, tokens of N)) ─ launch(N+1) ...
     rank r:                     recv ◄──────────────┘  append tokens of N, launch(N+1) (no sampling)
 
-Scheduling is synchronous under TP (the workers need step N's tokens before step N+1). A worker that dies makes
+Scheduling is synchronous under TP (the workers need step N's tokens before step N+1). Pure-decode steps replay
+CUDA graphs on every rank (captured with the NCCL all-reduces inside; see ``maybe_capture_cuda_graphs``). A worker that dies makes
 rank 0's next collective fail, which ends the engine core (the server then answers 503).
 
 Pipeline parallelism (P > 1 stages): every rank still gets each ``launch`` from rank 0 and runs its stage's layers;
@@ -24,7 +25,7 @@ appends the sampled tokens that ride along with the next ``launch``::
                        sample(N):  bitmask ───────────── link ─────► sample, collect
                        collect(N): ModelRunnerOutput ◄── link ────── (tokens go out with launch N+1)
 
-Synchronous scheduling and eager steps, as under TP. Speculative decoding, LoRA and quantized models are refused
+Synchronous scheduling, as under TP, and eager steps. Speculative decoding, LoRA and quantized models are refused
 with pipeline_parallel_size > 1 (pagedllm/config.py).
 
 Speculative decoding under TP (n-gram and draft-model proposers; EAGLE is refused in pagedllm/config.py): the
@@ -299,8 +300,18 @@ class MultiprocRunner:
         self.runner.init_kv_cache(num_blocks)
 
     def maybe_capture_cuda_graphs(self) -> None:
-        kind = "tensor/pipeline" if self._link is not None else "tensor"
-        logger.info("%s parallel: CUDA graphs are not captured yet (eager steps)", kind)
+        """Under TP alone, every rank captures the same decode graphs, in the same order, with the model's NCCL
+        all-reduces inside them; a step then replays the graph of the same padded size on every rank (each rank's
+        runner picks it from the same ``SchedulerOutput``). Pipeline stages stay eager (their send/recv is not
+        captured)."""
+        if self._link is not None:
+            logger.info("pipeline parallel: CUDA graphs are not captured yet (eager steps)")
+            return
+        if os.environ.get("PAGEDLLM_TP_CUDA_GRAPHS", "1") == "0":
+            logger.info("tensor parallel: CUDA graphs off (PAGEDLLM_TP_CUDA_GRAPHS=0)")
+            return
+        self._broadcast("maybe_capture_cuda_graphs")
+        self.runner.maybe_capture_cuda_graphs()
 
     def launch(self, sched: Any) -> Any:
         if self._uncollected is not None:  # the engine always collects; never leave the sampler waiting

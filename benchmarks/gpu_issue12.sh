@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Issue 12's device calls, on the 2-GPU kind (nvidia-h200-x2): the 2-GPU tests, then `pagedllm bench latency`
+# (batch 1, 128 in / 128 out) and `bench throughput` (NUM_PROMPTS x (1024 in, 128 out), default 1000) on the
+# Llama-3.1-8B shape at T=1, T=2, P=2 and D=2, and on the Llama-3.3-70B shape at T=2, with dummy weights in bf16.
+#   bash benchmarks/gpu_issue12.sh [tests] [lat8] [tput8] [lat70] [tput70]
+# With no arguments it runs everything. CONFIGS (default "tp1 tp2 pp2 dp2") picks the 8B configurations.
+# Logs go to $OUT (or .out/) as bench_*.log and *.json.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # KINDS.md: keep multicast off
+out="${OUT:-.out}"; mkdir -p "$out"
+ARGS=("$@")
+want() { [ ${#ARGS[@]} -eq 0 ] && return 0; for a in "${ARGS[@]}"; do [ "$a" = "$1" ] && return 0; done; return 1; }
+py=python3
+nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
+nvidia-smi topo -m 2>/dev/null | head -4
+$py -c "import torch; print('torch', torch.__version__, 'gpus', torch.cuda.device_count())"
+$py -m pagedllm.benchmarks.shapes "$out/models" >/dev/null
+L8="$out/models/llama-3.1-8b"; L70="$out/models/llama-3.3-70b"
+common="--load-format dummy --max-model-len 4096 --gpu-memory-utilization 0.9"
+run() {  # name, seconds, command...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name: $*"
+  local t0=$(date +%s)
+  timeout "$limit" "$@" 2>&1 | tee "$out/bench_$name.log" | grep -E "^(Throughput|Latency|Avg|WARNING)|Error|error|Traceback" | head -20
+  echo "    ($(( $(date +%s) - t0 )) s)"
+}
+flags() {  # configuration name -> engine flags
+  case $1 in tp1) echo "";; tp2) echo "-tp 2";; pp2) echo "-pp 2";; dp2) echo "-dp 2";; esac
+}
+if want tests; then
+  echo "=== gpu tests (tests/distributed/test_tp_gpu.py)"
+  t0=$(date +%s)
+  timeout 300 $py -m pytest -q -m gpu tests/distributed/test_tp_gpu.py -p no:cacheprovider -rf 2>&1 | tee "$out/gpu_tests.log" | tail -15
+  echo "    ($(( $(date +%s) - t0 )) s)"
+fi
+lat="--batch-size 1 --input-len 128 --output-len 128 --num-iters-warmup 2 --num-iters 5"
+tput="--num-prompts ${NUM_PROMPTS:-1000} --input-len 1024 --output-len 128"
+for c in ${CONFIGS:-tp1 tp2 pp2 dp2}; do
+  want lat8 && run "l8_lat_$c" 200 $py -m pagedllm.benchmarks.latency --model $L8 $common $(flags $c) $lat --output-json "$out/l8_lat_$c.json"
+done
+for c in ${CONFIGS:-tp1 tp2 pp2 dp2}; do
+  want tput8 && run "l8_tput_$c" 240 $py -m pagedllm.benchmarks.throughput --model $L8 $common $(flags $c) $tput --output-json "$out/l8_tput_$c.json"
+done
+want lat70 && run l70_lat_tp2 300 $py -m pagedllm.benchmarks.latency --model $L70 $common -tp 2 $lat --output-json "$out/l70_lat_tp2.json"
+want tput70 && run l70_tput_tp2 480 $py -m pagedllm.benchmarks.throughput --model $L70 $common -tp 2 $tput --output-json "$out/l70_tput_tp2.json"
+exit 0
