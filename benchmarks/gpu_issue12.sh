@@ -18,6 +18,14 @@ nvidia-smi topo -m 2>/dev/null | head -4
 $py -c "import torch; print('torch', torch.__version__, 'gpus', torch.cuda.device_count())"
 $py -m pagedllm.benchmarks.shapes "$out/models" >/dev/null
 L8="$out/models/llama-3.1-8b"; L70="$out/models/llama-3.3-70b"
+# Every bench runs with INFO logging (start-up phases, KV blocks, graph capture land in the logs).
+cat >"$out/logged.py" <<'PYEOF'
+import logging, runpy, sys
+logging.basicConfig(level=logging.INFO)
+mod = sys.argv.pop(1)
+sys.argv[0] = mod
+runpy.run_module(f"pagedllm.benchmarks.{mod}", run_name="__main__")
+PYEOF
 common="--load-format dummy --max-model-len 4096 --gpu-memory-utilization 0.9"
 run() {  # name, seconds, command...
   local name=$1 limit=$2; shift 2
@@ -27,22 +35,25 @@ run() {  # name, seconds, command...
   echo "    ($(( $(date +%s) - t0 )) s)"
 }
 flags() {  # configuration name -> engine flags
-  case $1 in tp1) echo "";; tp2) echo "-tp 2";; pp2) echo "-pp 2";; dp2) echo "-dp 2";; esac
+  case $1 in tp1) echo "";; tp1sync) echo "--no-async-scheduling";; tp2) echo "-tp 2";; tp2eager) echo "-tp 2 --enforce-eager";;
+    pp2) echo "-pp 2";; dp2) echo "-dp 2";; esac
 }
 if want tests; then
   echo "=== gpu tests (tests/distributed/test_tp_gpu.py)"
   t0=$(date +%s)
-  timeout 300 $py -m pytest -q -m gpu tests/distributed/test_tp_gpu.py -p no:cacheprovider -rf 2>&1 | tee "$out/gpu_tests.log" | tail -15
+  timeout 300 $py -m pytest -q -m gpu tests/distributed/test_tp_gpu.py -p no:cacheprovider -rf -x \
+    -o faulthandler_timeout=100 --log-cli-level=INFO >"$out/gpu_tests.log" 2>&1
+  tail -15 "$out/gpu_tests.log"
   echo "    ($(( $(date +%s) - t0 )) s)"
 fi
 lat="--batch-size 1 --input-len 128 --output-len 128 --num-iters-warmup 2 --num-iters 5"
 tput="--num-prompts ${NUM_PROMPTS:-1000} --input-len 1024 --output-len 128"
 for c in ${CONFIGS:-tp1 tp2 pp2 dp2}; do
-  want lat8 && run "l8_lat_$c" 200 $py -m pagedllm.benchmarks.latency --model $L8 $common $(flags $c) $lat --output-json "$out/l8_lat_$c.json"
+  want lat8 && run "l8_lat_$c" 200 $py "$out/logged.py" latency --model $L8 $common $(flags $c) $lat --output-json "$out/l8_lat_$c.json"
 done
 for c in ${CONFIGS:-tp1 tp2 pp2 dp2}; do
-  want tput8 && run "l8_tput_$c" 240 $py -m pagedllm.benchmarks.throughput --model $L8 $common $(flags $c) $tput --output-json "$out/l8_tput_$c.json"
+  want tput8 && run "l8_tput_$c" 240 $py "$out/logged.py" throughput --model $L8 $common $(flags $c) $tput --output-json "$out/l8_tput_$c.json"
 done
-want lat70 && run l70_lat_tp2 300 $py -m pagedllm.benchmarks.latency --model $L70 $common -tp 2 $lat --output-json "$out/l70_lat_tp2.json"
-want tput70 && run l70_tput_tp2 480 $py -m pagedllm.benchmarks.throughput --model $L70 $common -tp 2 $tput --output-json "$out/l70_tput_tp2.json"
+want lat70 && run l70_lat_tp2 300 $py "$out/logged.py" latency --model $L70 $common -tp 2 $lat --output-json "$out/l70_lat_tp2.json"
+want tput70 && run l70_tput_tp2 480 $py "$out/logged.py" throughput --model $L70 $common -tp 2 $tput --output-json "$out/l70_tput_tp2.json"
 exit 0

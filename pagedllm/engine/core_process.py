@@ -50,6 +50,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import zmq
 import zmq.asyncio
 
@@ -214,6 +215,10 @@ def run_engine_core(
     ready_sock.bind(ready_addr)
     exit_code = 0
     core = None
+    device = config.device_config.device
+    if device.type == "cuda" and device.index is not None:
+        # Triton launches on the current device: a data-parallel rank's process works on cuda:<rank>.
+        torch.cuda.set_device(device)
     try:
         try:
             core = _load_class(core_cls_path)(config)

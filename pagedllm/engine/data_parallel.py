@@ -13,6 +13,7 @@ the core's prefix cache serves it. Stats are summed over the cores (KV cache usa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
@@ -34,6 +35,12 @@ def rank_configs(config: EngineConfig) -> list[EngineConfig]:
     if size > available:
         raise ValueError(f"data_parallel_size={size} needs {size} GPUs; {available} visible")
     return [dataclasses.replace(config, device_config=DeviceConfig(f"cuda:{r}")) for r in range(size)]
+
+
+def on_device(config: EngineConfig) -> contextlib.AbstractContextManager:
+    """Make ``config``'s GPU the current device (Triton launches there) for the calls inside; no-op on CPU."""
+    device = config.device_config.device
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def merge_stats(stats: Sequence[SchedulerStats]) -> SchedulerStats:
@@ -85,7 +92,10 @@ class DataParallelEngineCore:
     def __init__(self, config: EngineConfig, tokenizer: Any = None) -> None:
         from pagedllm.engine.engine_core import EngineCore
 
-        self.cores = [EngineCore(c, tokenizer=tokenizer) for c in rank_configs(config)]
+        self.cores = []
+        for c in rank_configs(config):
+            with on_device(c):
+                self.cores.append(EngineCore(c, tokenizer=tokenizer))
         self._router = _Router(len(self.cores))
 
     def __getattr__(self, name: str) -> Any:
@@ -111,7 +121,8 @@ class DataParallelEngineCore:
         outputs = []
         for core in self.cores:
             if core.has_unfinished_requests():
-                outputs.extend(core.step().outputs)
+                with on_device(core.config):
+                    outputs.extend(core.step().outputs)
         for out in outputs:
             if out.finished:
                 self._router.release(out.request_id)
@@ -147,7 +158,8 @@ class DataParallelEngineCore:
 
     def shutdown(self) -> None:
         for core in self.cores:
-            core.shutdown()
+            with on_device(core.config):
+                core.shutdown()
 
 
 def _merge_debug(states: list[dict]) -> dict:
