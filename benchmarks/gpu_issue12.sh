@@ -21,10 +21,11 @@ L8="$out/models/llama-3.1-8b"; L70="$out/models/llama-3.3-70b"
 # Every bench runs with INFO logging (start-up phases, KV blocks, graph capture land in the logs).
 cat >"$out/logged.py" <<'PYEOF'
 import logging, runpy, sys
-logging.basicConfig(level=logging.INFO)
-mod = sys.argv.pop(1)
-sys.argv[0] = mod
-runpy.run_module(f"pagedllm.benchmarks.{mod}", run_name="__main__")
+if __name__ == "__main__":  # not again in spawned workers, which import this file as __mp_main__
+    logging.basicConfig(level=logging.INFO)
+    mod = sys.argv.pop(1)
+    sys.argv[0] = mod
+    runpy.run_module(f"pagedllm.benchmarks.{mod}", run_name="__main__")
 PYEOF
 common="--load-format dummy --max-model-len 4096 --gpu-memory-utilization 0.9"
 run() {  # name, seconds, command...

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from dataclasses import dataclass, field
@@ -349,7 +350,9 @@ class ParallelConfig:
     data_parallel_size: int = 1
     # Ranks one model is sharded over (pagedllm/distributed): worker processes on this node.
     tensor_parallel_size: int = 1
-    distributed_executor_backend: str | None = None  # "mp" (the only one so far) or None
+    # "mp" (worker processes on this node), "ray" (Ray actors, any node of a Ray cluster; see
+    # pagedllm/distributed/executor.py) or None: make_engine_config picks one (``default_executor_backend``).
+    distributed_executor_backend: str | None = None
     # Stages the decoder layers are split over, each of tensor_parallel_size ranks (pagedllm/distributed).
     pipeline_parallel_size: int = 1
     # Decoder layers per stage; None: make_engine_config fills in vLLM's even split (or VLLM_PP_LAYER_PARTITION).
@@ -363,11 +366,20 @@ class ParallelConfig:
             d = getattr(self, name)
             if isinstance(d, bool) or not isinstance(d, int) or d < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {d!r}")
-        if self.distributed_executor_backend not in (None, "mp"):
+        backend = self.distributed_executor_backend
+        if backend not in (None, "mp", "ray"):
             raise ValueError(
-                f"distributed_executor_backend {self.distributed_executor_backend!r} is not supported yet "
-                "(only 'mp': worker processes on this node)"
+                f"distributed_executor_backend must be 'mp' (worker processes on this node), 'ray' (Ray actors, "
+                f"several nodes) or None, got {backend!r}"
             )
+        if backend == "ray":
+            if importlib.util.find_spec("ray") is None:
+                raise ValueError("distributed_executor_backend 'ray' needs Ray: pip install ray")
+            if self.data_parallel_size > 1:
+                raise ValueError(
+                    "data_parallel_size > 1 with distributed_executor_backend 'ray' is not supported yet "
+                    "(use distributed_executor_backend 'mp')"
+                )
         if not isinstance(self.enable_expert_parallel, bool):
             raise ValueError(f"enable_expert_parallel must be a bool, got {self.enable_expert_parallel!r}")
 
@@ -375,6 +387,18 @@ class ParallelConfig:
     def world_size(self) -> int:
         """Ranks (processes, GPUs) one engine uses: ``pipeline_parallel_size * tensor_parallel_size``."""
         return self.pipeline_parallel_size * self.tensor_parallel_size
+
+    def default_executor_backend(self, device_type: str) -> str:
+        """vLLM's rule for ``distributed_executor_backend=None``: "ray" when on CUDA the ranks outnumber this
+        node's GPUs and Ray is installed (one engine, no data parallelism), else "mp"."""
+        if (
+            device_type == "cuda"
+            and self.data_parallel_size == 1
+            and self.world_size > torch.cuda.device_count()
+            and importlib.util.find_spec("ray") is not None
+        ):
+            return "ray"
+        return "mp"
 
 
 @dataclass
@@ -545,6 +569,16 @@ def make_engine_config(
         pipeline_parallel_size=pipeline_parallel_size,
         enable_expert_parallel=enable_expert_parallel,
     )
+    if parallel_config.world_size > 1 and parallel_config.distributed_executor_backend is None:
+        parallel_config.distributed_executor_backend = parallel_config.default_executor_backend(
+            device_config.device.type
+        )
+        if parallel_config.distributed_executor_backend == "ray":
+            logger.info(
+                "%d ranks but %d GPUs on this node: distributed_executor_backend 'ray'",
+                parallel_config.world_size,
+                torch.cuda.device_count(),
+            )
     _apply_expert_parallel(parallel_config, model_config)
     if pipeline_parallel_size > 1:
         _check_pipeline_parallel(parallel_config, model_config, spec, lora_config)

@@ -1,7 +1,14 @@
-"""Tensor- and pipeline-parallel execution on one node (``distributed_executor_backend="mp"``): rank 0 is the
-engine core's own ``ModelRunner``; ranks 1..W-1 (``W = pipeline_parallel_size * tensor_parallel_size``) are worker
-processes, each with its ``ModelRunner`` over its shard (rank ``g`` = TP rank ``g % T`` of stage ``g // T``, see
-pagedllm/distributed/parallel_state.py).
+"""Tensor- and pipeline-parallel execution: rank 0 is the engine core's own ``ModelRunner``; ranks 1..W-1
+(``W = pipeline_parallel_size * tensor_parallel_size``) are workers, each running ``_worker_main`` with its
+``ModelRunner`` over its shard (rank ``g`` = TP rank ``g % T`` of stage ``g // T``, see
+pagedllm/distributed/parallel_state.py). Two backends (``distributed_executor_backend``) start the workers; the
+protocol below is the same for both, only the launcher differs:
+
+    "mp"    worker processes on this node (``ProcessWorkers``): rank r on ``cuda:r``, a ``file://`` rendezvous.
+    "ray"   Ray actors in a placement group, on any node of a Ray cluster (pagedllm/distributed/ray_executor.py):
+            each on its Ray-assigned GPU, rank 0 on a GPU of this node; a ``tcp://`` rendezvous at this node.
+
+None picks "mp", or "ray" when the ranks outnumber this node's GPUs and Ray is installed (pagedllm/config.py).
 
 The scheduler runs once (in the engine core). Each runner call is mirrored on every rank through a gloo
 "control" group: rank 0 broadcasts ``(method, args)`` with ``broadcast_object_list``, then every rank runs it, so
@@ -69,20 +76,23 @@ def _sampler_rank(config: EngineConfig) -> int:
     return (pc.pipeline_parallel_size - 1) * pc.tensor_parallel_size
 
 
-def _join(config: EngineConfig, rank: int, init_file: str) -> tuple[Any, Any, Any, Any]:
-    """Join the process group; return (this rank's TPGroup, its PPGroup, the gloo control group over every rank,
-    the gloo link group of ranks {0, sampler} or None without pipeline parallelism)."""
+def _join(
+    config: EngineConfig, rank: int, init_method: str, device: torch.device
+) -> tuple[Any, Any, Any, Any]:
+    """Join the process group (``init_method``: ``file://`` or ``tcp://``) with this rank on ``device``; return
+    (this rank's TPGroup, its PPGroup, the gloo control group over every rank, the gloo link group of ranks
+    {0, sampler} or None without pipeline parallelism)."""
     from pagedllm.distributed.parallel_state import init_parallel_groups
 
     pc = config.parallel_config
-    if config.device_config.device.type == "cuda":
-        torch.cuda.set_device(rank)
-    backend = "nccl" if config.device_config.device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
     tp, pp = init_parallel_groups(
         pc.tensor_parallel_size,
         pc.pipeline_parallel_size,
         rank,
-        f"file://{init_file}",
+        init_method,
         backend=backend,
         timeout_s=TIMEOUT_S,
         partition=pc.pp_layer_partition,
@@ -95,22 +105,32 @@ def _join(config: EngineConfig, rank: int, init_file: str) -> tuple[Any, Any, An
     return tp, pp, control, link
 
 
-def _rank_config(config: EngineConfig, rank: int) -> EngineConfig:
+def local_rank_device(config: EngineConfig, rank: int) -> torch.device:
+    """Rank ``rank``'s device when every rank runs on this node ("mp"): ``cuda:rank`` on CUDA, else the
+    configured device (CPU)."""
+    device = config.device_config.device
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+def _rank_config(config: EngineConfig, device: torch.device) -> EngineConfig:
     import dataclasses
 
     from pagedllm.config import DeviceConfig
 
-    if config.device_config.device.type != "cuda":
+    if device.type != "cuda":
         return config
-    return dataclasses.replace(config, device_config=DeviceConfig(f"cuda:{rank}"))
+    return dataclasses.replace(config, device_config=DeviceConfig(str(device)))
 
 
-def _worker_main(config: EngineConfig, rank: int, init_file: str) -> None:
+def _worker_main(config: EngineConfig, rank: int, init_method: str, device: str | None = None) -> None:
+    """Worker rank ``rank`` (>= 1): join the ranks at ``init_method``, build this rank's ``ModelRunner`` on
+    ``device`` (None: ``local_rank_device``), then run what rank 0 broadcasts until "stop"."""
     from pagedllm.worker.model_runner import ModelRunner
 
+    dev = local_rank_device(config, rank) if device is None else torch.device(device)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.parallel_config.world_size))
-    tp, pp, control, link = _join(config, rank, init_file)
-    runner = ModelRunner(_rank_config(config, rank), tp=tp, pp=pp)
+    tp, pp, control, link = _join(config, rank, init_method, dev)
+    runner = ModelRunner(_rank_config(config, dev), tp=tp, pp=pp)
     samples = link is not None and rank == _sampler_rank(config)  # this rank samples for rank 0
     try:
         while True:
@@ -143,6 +163,9 @@ def _worker_main(config: EngineConfig, rank: int, init_file: str) -> None:
             else:
                 getattr(runner, method)(*args)
     finally:
+        if runner.device.type == "cuda":
+            runner.graph_runner = None
+            torch.cuda.synchronize(runner.device)
         dist.destroy_process_group()
 
 
@@ -205,6 +228,53 @@ class TPLoRAManager:
         return self._local.remove_lora(lora_int_id)
 
 
+def start_workers(config: EngineConfig) -> Any:
+    """Start ranks 1..W-1 with the configured backend; the launcher returned has ``workers``, ``init_method``
+    (where every rank joins), ``rank0_device`` (this process's device) and ``stop()`` (after "stop" was broadcast:
+    wait for the workers briefly, then end them)."""
+    if config.parallel_config.distributed_executor_backend == "ray":
+        from pagedllm.distributed.ray_executor import RayWorkers
+
+        return RayWorkers(config)
+    return ProcessWorkers(config)
+
+
+class ProcessWorkers:
+    """The "mp" backend: ranks 1..W-1 as spawned processes on this node, joining through a ``file://`` init
+    method; rank r uses ``cuda:r`` (CPU: the configured device)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        pc = config.parallel_config
+        size = pc.world_size
+        if config.device_config.device.type == "cuda" and size > torch.cuda.device_count():
+            raise ValueError(
+                f"tensor_parallel_size={pc.tensor_parallel_size} x pipeline_parallel_size="
+                f"{pc.pipeline_parallel_size} needs {size} GPUs; {torch.cuda.device_count()} visible "
+                "(more GPUs than this node has: distributed_executor_backend='ray' on a Ray cluster)"
+            )
+        self._dir = tempfile.mkdtemp(prefix="pagedllm-tp-")
+        self.init_method = f"file://{os.path.join(self._dir, 'init')}"
+        self.rank0_device = local_rank_device(config, 0)
+        ctx = mp.get_context("spawn")
+        self.workers = [
+            ctx.Process(
+                target=_worker_main, args=(config, r, self.init_method), daemon=True, name=f"pagedllm-tp{r}"
+            )
+            for r in range(1, size)
+        ]
+        for w in self.workers:
+            w.start()
+
+    def alive(self) -> bool:
+        return all(w.is_alive() for w in self.workers)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        for w in self.workers:
+            w.join(timeout_s)
+            if w.is_alive():
+                w.kill()
+
+
 class MultiprocRunner:
     """``ModelRunner``'s interface over ``P * T`` ranks (attributes not defined here are rank 0's runner's)."""
 
@@ -218,22 +288,17 @@ class MultiprocRunner:
                 "this process already belongs to a torch.distributed group (another tensor/pipeline-parallel "
                 "engine): shut that engine down before starting another"
             )
-        if config.device_config.device.type == "cuda" and size > torch.cuda.device_count():
-            raise ValueError(
-                f"tensor_parallel_size={pc.tensor_parallel_size} x pipeline_parallel_size="
-                f"{pc.pipeline_parallel_size} needs {size} GPUs; {torch.cuda.device_count()} visible"
-            )
-        self._dir = tempfile.mkdtemp(prefix="pagedllm-tp-")
-        init_file = os.path.join(self._dir, "init")
-        ctx = mp.get_context("spawn")
-        self.workers = [
-            ctx.Process(target=_worker_main, args=(config, r, init_file), daemon=True, name=f"pagedllm-tp{r}")
-            for r in range(1, size)
-        ]
-        for w in self.workers:
-            w.start()
-        tp, pp, self._control, self._link = _join(config, 0, init_file)
-        self.runner = ModelRunner(_rank_config(config, 0), tp=tp, pp=pp)
+        self._launcher = start_workers(config)
+        self.workers = self._launcher.workers  # mp: Processes; ray: actor handles (ranks 1..W-1)
+        device = self._launcher.rank0_device
+        try:
+            tp, pp, self._control, self._link = _join(config, 0, self._launcher.init_method, device)
+            self.runner = ModelRunner(_rank_config(config, device), tp=tp, pp=pp)
+        except BaseException:  # the workers wait on rank 0, which will never come: end them now
+            self._launcher.stop(timeout_s=0)
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            raise
         self._sampled: dict[str, list[int]] = {}  # rank 0's last collected tokens, for the workers
         self._stopped = False
         self._size = size
@@ -358,12 +423,19 @@ class MultiprocRunner:
             self._broadcast("stop")
         except Exception:  # noqa: BLE001 - a dead worker: nothing to tell
             pass
-        for w in self.workers:
-            w.join(10)
-            if w.is_alive():
-                w.kill()
+        # Tear the process group down together with the workers (they destroy theirs on "stop"): NCCL's
+        # communicator teardown waits for every rank, so stopping the workers first would deadlock. With a dead
+        # worker on CUDA the teardown would wait forever: leave the group (the engine is dead anyway).
         if dist.is_initialized():
-            dist.destroy_process_group()
+            cuda = self.runner.device.type == "cuda"
+            if not cuda or self._launcher.alive():
+                if cuda:
+                    self.runner.graph_runner = None
+                    torch.cuda.synchronize(self.runner.device)
+                dist.destroy_process_group()
+            else:
+                logger.warning("a worker died: leaving its NCCL process group without tearing it down")
+        self._launcher.stop()
 
 
 TensorParallelRunner = MultiprocRunner  # the name before pipeline parallelism

@@ -71,7 +71,13 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
         help="split the model's layers over this many stages, each of --tensor-parallel-size ranks (worker "
         "processes on this node; GPUs cuda:0..P*T-1)",
     )
-    parser.add_argument("--distributed-executor-backend", default=None, choices=[None, "mp"])
+    parser.add_argument(
+        "--distributed-executor-backend",
+        default=None,
+        choices=[None, "mp", "ray"],
+        help="how the ranks start: 'mp' (worker processes on this node) or 'ray' (Ray actors on the Ray cluster; "
+        "several nodes); default 'mp', or 'ray' when the ranks outnumber this node's GPUs and Ray is installed",
+    )
     parser.add_argument(
         "--enable-expert-parallel",
         action="store_true",

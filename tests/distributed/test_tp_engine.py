@@ -81,7 +81,7 @@ def test_tp2_chunks_prefix_hits_preemption_n_and_logprobs(tiny_llama):
     [
         ({"tensor_parallel_size": 3}, "num_attention_heads"),
         ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
-        ({"tensor_parallel_size": 2, "distributed_executor_backend": "ray"}, "distributed_executor_backend"),
+        ({"tensor_parallel_size": 2, "distributed_executor_backend": "rya"}, "distributed_executor_backend"),
         (
             {
                 "tensor_parallel_size": 2,
