@@ -12,7 +12,7 @@ import pytest
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import make_engine_config
 from pagedllm.engine.async_llm import AsyncLLM
-from tests.utils import hf_greedy
+from tests.utils import TINY_ARCHS, hf_greedy
 
 MAX_NEW = 10
 
@@ -129,3 +129,44 @@ def test_a_dead_rank_fails_requests_and_health(tiny_llama):
             engine.shutdown()
 
     asyncio.run(run())
+
+
+def _family_dirs(root) -> dict[str, str]:
+    """One tiny checkpoint of each family beyond the dense ``TINY_ARCHS`` (their own tests' builders)."""
+    from tests.models.test_deepseek import VARIANTS as DEEPSEEK
+    from tests.models.test_deepseek import make_tiny_deepseek
+    from tests.models.test_gpt_oss_qwen2moe import make_tiny
+    from tests.models.test_moe import make_tiny_moe
+
+    return {
+        "mixtral": make_tiny_moe("mixtral", root / "mixtral", seed=5),
+        "qwen3_moe": make_tiny_moe("qwen3_moe", root / "qwen3_moe", seed=6),
+        "qwen2_moe": make_tiny("qwen2_moe", root / "qwen2_moe", seed=7),
+        "gpt_oss": make_tiny("gpt_oss", root / "gpt_oss", seed=8),
+        "deepseek_v2": make_tiny_deepseek(DEEPSEEK["v2-lite"][0], root / "deepseek_v2", 9, **DEEPSEEK["v2-lite"][1]),
+        "deepseek_v3": make_tiny_deepseek(DEEPSEEK["v3"][0], root / "deepseek_v3", 10, **DEEPSEEK["v3"][1]),
+    }
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory) -> dict[str, str]:
+    return _family_dirs(tmp_path_factory.mktemp("dp_families"))
+
+
+FAMILIES = ["mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss", "deepseek_v2", "deepseek_v3"]
+
+
+@pytest.mark.parametrize("arch", list(TINY_ARCHS) + FAMILIES)
+def test_data_parallel_every_architecture(tiny_model_dirs, family_dirs, arch):
+    """D=2 gives transformers' greedy tokens for every architecture (prompts longer than the tiny windows); both
+    ranks serve."""
+    path = tiny_model_dirs[arch] if arch in tiny_model_dirs else family_dirs[arch]
+    llm = LLM(path, device="cpu", dtype="float32", block_size=4, max_model_len=128, data_parallel_size=2)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (40, 3, 25, 33)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, prompts, 6)
+    core = llm.llm_engine.engine_core
+    assert all(c.get_stats().num_prompt_tokens > 0 for c in core.cores)
+    core.check_integrity()
