@@ -57,6 +57,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import time
 from typing import Any
 
 import torch
@@ -122,11 +123,15 @@ def _rank_config(config: EngineConfig, device: torch.device) -> EngineConfig:
     return dataclasses.replace(config, device_config=DeviceConfig(str(device)))
 
 
-def _worker_main(config: EngineConfig, rank: int, init_method: str, device: str | None = None) -> None:
+def _worker_main(
+    config: EngineConfig, rank: int, init_method: str, device: str | None = None, started: Any = None
+) -> None:
     """Worker rank ``rank`` (>= 1): join the ranks at ``init_method``, build this rank's ``ModelRunner`` on
     ``device`` (None: ``local_rank_device``), then run what rank 0 broadcasts until "stop"."""
     from pagedllm.worker.model_runner import ModelRunner
 
+    if started is not None:  # the "mp" launcher's Event: this process is up and about to join (wait_ready)
+        started.set()
     dev = local_rank_device(config, rank) if device is None else torch.device(device)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.parallel_config.world_size))
     tp, pp, control, link = _join(config, rank, init_method, dev)
@@ -256,14 +261,31 @@ class ProcessWorkers:
         self.init_method = f"file://{os.path.join(self._dir, 'init')}"
         self.rank0_device = local_rank_device(config, 0)
         ctx = mp.get_context("spawn")
+        self._started = [ctx.Event() for _ in range(1, size)]
         self.workers = [
             ctx.Process(
-                target=_worker_main, args=(config, r, self.init_method), daemon=True, name=f"pagedllm-tp{r}"
+                target=_worker_main,
+                args=(config, r, self.init_method, None, started),
+                daemon=True,
+                name=f"pagedllm-tp{r}",
             )
-            for r in range(1, size)
+            for r, started in zip(range(1, size), self._started)
         ]
         for w in self.workers:
             w.start()
+
+    def wait_ready(self, timeout_s: float = 600.0) -> None:
+        """Wait until every worker process runs ``_worker_main``; ``RuntimeError`` at once when one exits first
+        (it died importing or unpickling: rank 0 would otherwise wait out the rendezvous timeout)."""
+        deadline = time.monotonic() + timeout_s
+        for rank, (w, started) in enumerate(zip(self.workers, self._started), start=1):
+            while not started.wait(0.05):
+                if not w.is_alive():
+                    raise RuntimeError(
+                        f"tensor/pipeline-parallel worker rank {rank} exited with code {w.exitcode} while starting"
+                    )
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"tensor/pipeline-parallel worker rank {rank} did not start in {timeout_s} s")
 
     def alive(self) -> bool:
         return all(w.is_alive() for w in self.workers)
@@ -292,6 +314,7 @@ class MultiprocRunner:
         self.workers = self._launcher.workers  # mp: Processes; ray: actor handles (ranks 1..W-1)
         device = self._launcher.rank0_device
         try:
+            self._launcher.wait_ready()
             tp, pp, self._control, self._link = _join(config, 0, self._launcher.init_method, device)
             self.runner = ModelRunner(_rank_config(config, device), tp=tp, pp=pp)
         except BaseException:  # the workers wait on rank 0, which will never come: end them now

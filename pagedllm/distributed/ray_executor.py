@@ -175,6 +175,9 @@ class RayWorkers:
         if here and not any(n.get("Resources", {}).get(kind, 0) >= 1 for n in here):
             raise ValueError(f"rank 0 runs in this process, on Ray node {ip}, which has no {kind} for it")
 
+    def wait_ready(self) -> None:
+        """Nothing to wait for: the constructor already heard from every actor (``node_and_gpus``)."""
+
     def alive(self) -> bool:
         """True while every worker's ``run`` call is still going (a returned or failed one: a dead worker)."""
         import ray

@@ -100,6 +100,26 @@ def test_bad_parallel_configs_fail_at_startup(tiny_llama, kw, field):
         LLM(tiny_llama, device="cpu", **kw)
 
 
+def _exit_at_start(*args, **kwargs) -> None:
+    """Stands in for the worker's main function: the process dies before joining the ranks."""
+    os._exit(3)
+
+
+def test_worker_dying_at_startup_fails_fast(tiny_llama, monkeypatch):
+    """A worker process that dies before joining (a broken import, an unpicklable config) fails the engine's
+    start-up at once, naming the rank and exit code, instead of rank 0 waiting out the rendezvous timeout."""
+    import torch.distributed as dist
+
+    from pagedllm.distributed import executor
+
+    monkeypatch.setattr(executor, "_worker_main", _exit_at_start)  # spawn pickles the target by name
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1 exited with code 3"):
+        tp_llm(tiny_llama)
+    assert time.monotonic() - t0 < 60
+    assert not dist.is_initialized()
+
+
 def test_dead_worker_fails_the_next_step_at_once(tiny_llama):
     llm = tp_llm(tiny_llama)
     try:
