@@ -191,6 +191,9 @@ class CacheConfig:
     # "auto": the model dtype; "fp8" / "fp8_e4m3": float8_e4m3fn with per-layer k/v scales (vLLM's
     # kv_cache_dtype; scales from the checkpoint, else 1.0). See pagedllm/attention/base.py.
     cache_dtype: str = "auto"
+    # True: a model mixing sliding-window and full-attention layers keeps every block for every layer (one KV cache
+    # group) instead of freeing its sliding layers' blocks behind their window (vLLM's flag; core/kv_cache_manager.py)
+    disable_hybrid_kv_cache_manager: bool = False
 
     def __post_init__(self) -> None:
         if self.cache_dtype not in KV_CACHE_DTYPES:
@@ -516,6 +519,7 @@ def make_engine_config(
     max_lora_rank: int = 16,
     max_cpu_loras: int | None = None,
     kv_cache_dtype: str = "auto",
+    disable_hybrid_kv_cache_manager: bool = False,
 ) -> EngineConfig:
     """Build every config from vLLM-named keyword arguments (what ``LLM(...)`` and ``pagedllm serve`` take)."""
     if reasoning_parser is not None:
@@ -549,6 +553,7 @@ def make_engine_config(
         num_gpu_blocks_override=num_gpu_blocks_override,
         enable_prefix_caching=enable_prefix_caching,
         cache_dtype=kv_cache_dtype,
+        disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager,
     )
     scheduler_config = SchedulerConfig(
         max_model_len=model_config.max_model_len,

@@ -16,11 +16,11 @@ Per-layer options of ``AttentionBackend.forward`` (fixed when the model is built
 
 * ``sliding_window`` W: the query at position p sees only keys at positions k with ``p - W < k <= p`` (W keys,
   itself included), as transformers' ``sliding_window_causal_mask_function`` does. Only the attention is
-  windowed here. The block table lists a block for every position; when every layer of the model has the same
-  window, the KV cache manager gives blocks wholly behind it back to the pool (``core/kv_cache_manager.py``), and
-  their entries may then name blocks other requests own: backends must never read (or write) a slot behind a
-  query's window (the Triton kernel skips those tiles; the PyTorch path gathers them, masks them and zeroes
-  non-finite values).
+  windowed here. The block table lists a block for every position; the KV cache manager gives a sliding layer's
+  blocks wholly behind the window back to the pool (``core/kv_cache_manager.py``: such layers have a KV cache
+  group, and so a block table, of their own), and their entries may then name blocks other requests or groups
+  own: backends must never read (or write) a slot behind a query's window (the Triton kernel skips those tiles;
+  the PyTorch path gathers only the keys from the request's first visible position on, and masks the rest).
 * ``logits_soft_cap`` c: the scaled scores ``s`` become ``c * tanh(s / c)`` before masking and the softmax
   (Gemma 2).
 * ``sinks`` (``[num_heads]`` tensor, this rank's heads; GPT-OSS): one learned logit ``s_h`` per query head that
@@ -37,7 +37,8 @@ Per-layer options of ``AttentionBackend.forward`` (fixed when the model is built
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -56,6 +57,25 @@ class AttentionMetadata:
     query_start_loc_cpu: torch.Tensor  # [num_reqs + 1] int32, host twin
     seq_lens_cpu: torch.Tensor  # [num_reqs] int32, host twin
     is_pure_decode: bool = False  # every request has exactly one query token
+    # Hybrid models (KV cache groups, core/kv_cache_manager.py): (block_table, slot_mapping) of groups 1, 2, ..., laid
+    # out as the two fields above, which are group 0's. Empty with one group. A layer reads for_kv_group(its group).
+    kv_group_tables: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+    _group_views: dict[int, AttentionMetadata] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+
+    def for_kv_group(self, group: int) -> AttentionMetadata:
+        """This step's metadata with KV cache group ``group``'s block table and slot mapping (built once a step)."""
+        if group == 0:
+            return self
+        view = self._group_views.get(group)
+        if view is None:
+            block_table, slot_mapping = self.kv_group_tables[group - 1]
+            view = dataclasses.replace(
+                self, block_table=block_table, slot_mapping=slot_mapping, kv_group_tables=()
+            )
+            self._group_views[group] = view
+        return view
 
 
 class AttentionBackend(Protocol):

@@ -1,7 +1,7 @@
 """Model directories with a real model's shape and no weights, for `--load-format dummy` benchmarks.
 
 ``python -m pagedllm.benchmarks.shapes OUT_DIR`` writes ``OUT_DIR/<name>`` for every entry of ``SHAPES``
-(llama-3.1-8b, llama-3.3-70b, qwen3-0.6b, qwen3-30b-a3b, deepseek-v2-lite): the architecture's config.json and a small stand-in
+(llama-3.1-8b, llama-3.3-70b, qwen3-0.6b, qwen3-30b-a3b, gemma-3-12b, deepseek-v2-lite): the architecture's config.json and a small stand-in
 tokenizer (benchmarks send token ids and skip detokenizing).
 """
 
@@ -110,6 +110,36 @@ SHAPES: dict[str, dict] = {
         "attention_bias": False,
         "bos_token_id": 151643,
         "eos_token_id": 151645,
+        "torch_dtype": "bfloat16",
+    },
+    # Gemma 3 12B, text only (Gemma3ForCausalLM): 48 layers, five local (sliding window 1024, RoPE base 10k) then
+    # one global (RoPE base 1M, linear x8), 16 query / 8 KV heads of 256, tied embeddings of a 262k vocabulary.
+    "gemma-3-12b": {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "hidden_size": 3840,
+        "intermediate_size": 15360,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 256,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 1024,
+        "sliding_window_pattern": 6,
+        "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(48)],
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        "attn_logit_softcapping": None,
+        "final_logit_softcapping": None,
+        "vocab_size": 262208,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-6,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "tie_word_embeddings": True,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+        "pad_token_id": 0,
         "torch_dtype": "bfloat16",
     },
     # MLA (cache row: 512 latent + 64 rope values per token and layer), 64 routed experts of 1408, 6 per token, plus

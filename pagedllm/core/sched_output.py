@@ -92,7 +92,8 @@ class NewRequestData:
     token_ids: list[int]  # prompt + any output so far (a resumed request recomputes all of it)
     num_prompt_tokens: int
     sampling_params: SamplingParams
-    block_ids: list[int]
+    # one list per KV cache group (core/kv_cache_manager.py), all equally long
+    block_ids: tuple[list[int], ...]
     num_computed_tokens: int  # before this step (prefix-cache hits included)
     eos_token_id: int | None = None
     output_token_ids: list[int] = field(default_factory=list)  # for penalties after a resume
@@ -104,7 +105,7 @@ class CachedRequestData:
     """A request the runner already holds: only what changed."""
 
     req_id: str
-    new_block_ids: list[int]
+    new_block_ids: tuple[list[int], ...]  # appended to each KV cache group's list (equally many per group)
     num_computed_tokens: int  # before this step
 
 

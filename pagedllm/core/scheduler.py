@@ -257,7 +257,7 @@ class Scheduler:
                 self.waiting.pop()
                 self._finish_early(request, f"its grammar failed to compile: {request.grammar.error}")
                 continue
-            hit_blocks, num_hit = [], 0
+            hit_blocks, num_hit = None, 0
             if request.num_computed_tokens == 0:
                 hit_blocks, num_hit = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit
@@ -291,7 +291,7 @@ class Scheduler:
         for req_id, num_new in scheduled.items():
             request = self.requests[req_id]
             if req_id in new_ids:
-                block_ids = self.kv.get_block_ids(req_id)
+                block_ids = self.kv.get_all_block_ids(req_id)
                 new_data.append(
                     NewRequestData(
                         req_id=req_id,
@@ -308,7 +308,7 @@ class Scheduler:
             else:
                 known = self._runner_num_blocks.get(req_id, 0)
                 if self.kv.num_blocks_of(req_id) > known:  # most decode steps add no block: nothing to send
-                    new_block_ids = self.kv.get_block_ids(req_id, known)
+                    new_block_ids = self.kv.get_all_block_ids(req_id, known)
                     cached_data.append(CachedRequestData(req_id, new_block_ids, request.num_computed_tokens))
             self._runner_num_blocks[req_id] = self.kv.num_blocks_of(req_id)
             num_computed_before[req_id] = request.num_computed_tokens
@@ -351,7 +351,7 @@ class Scheduler:
                 request.num_computed_tokens -= len(drafts) - num_accepted
                 self._count_spec(len(drafts), num_accepted)
             if is_running:
-                self.kv.cache_blocks(request)
+                self.kv.cache_blocks(request)  # and frees the blocks its sliding windows left behind
             elif not new_token_ids:
                 continue
             # else: preempted after this (async) step was scheduled; the token it sampled is still valid.

@@ -47,6 +47,12 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
         "from the checkpoint (else 1.0)",
     )
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    parser.add_argument(
+        "--disable-hybrid-kv-cache-manager",
+        action="store_true",
+        help="models mixing sliding-window and full-attention layers (Gemma 2/3, GPT-OSS): keep every KV block for "
+        "every layer instead of freeing the sliding layers' blocks behind their window",
+    )
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--attention-backend", default=None, choices=[None, "torch", "triton"])
     parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
@@ -154,6 +160,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         num_gpu_blocks_override=args.num_gpu_blocks_override,
+        disable_hybrid_kv_cache_manager=getattr(args, "disable_hybrid_kv_cache_manager", False),
         enforce_eager=args.enforce_eager,
         attention_backend=args.attention_backend,
         scheduling_policy=args.scheduling_policy,

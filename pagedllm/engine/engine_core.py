@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv
+from pagedllm.core.kv_cache_manager import KVCacheManager, blocks_per_sequence, cdiv, plan_kv_cache_layout
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import EngineCoreOutputs, EngineCoreRequest, SchedulerOutput, SchedulerStats
 from pagedllm.core.scheduler import Scheduler
@@ -24,13 +24,12 @@ logger = logging.getLogger(__name__)
 IDLE_CHECK_MAX_BLOCKS = 32768
 
 
-def uniform_sliding_window(model: Any) -> int | None:
-    """W when every attention layer of ``model`` has sliding window W, else None (no window, or a hybrid model
-    such as Gemma 2/3 or GPT-OSS, whose full-attention layers need the whole context)."""
-    from pagedllm.layers.attention import Attention
-
-    windows = {m.sliding_window for m in model.modules() if isinstance(m, Attention)}
-    return windows.pop() if len(windows) == 1 and None not in windows else None
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GiB"
 
 
 class EngineCore:
@@ -60,13 +59,13 @@ class EngineCore:
         t_profile = time.perf_counter()
         block_size = config.cache_config.block_size
         max_model_len = config.model_config.max_model_len
-        blocks_per_seq = cdiv(max_model_len, block_size)
-        # A model whose every layer slides frees blocks behind the window (below): one sequence then holds its
-        # window, a block of margin and at most one step's new tokens.
-        window = uniform_sliding_window(self.runner.model) if config.speculative_config is None else None
-        if window is not None:
-            step_tokens = config.scheduler_config.max_num_batched_tokens
-            blocks_per_seq = min(blocks_per_seq, cdiv(window + block_size + step_tokens, block_size) + 1)
+        # The runner's KV cache groups (core/kv_cache_manager.py): sliding-window layers free the blocks behind their
+        # window, so one sequence holds there its window, a block of margin and at most one step's new tokens.
+        layout = self.runner.kv_layout
+        step_tokens = config.scheduler_config.max_num_batched_tokens
+        blocks_per_seq = sum(
+            blocks_per_sequence(layout.group_windows, block_size, max_model_len, step_tokens)
+        )
         if num_blocks < blocks_per_seq:
             raise ValueError(
                 f"the KV cache holds {num_blocks} blocks ({num_blocks * block_size} tokens) but one sequence of "
@@ -86,10 +85,8 @@ class EngineCore:
             t_graphs - t_kv,
             t_graphs - t0,
         )
-        # A model whose every layer has the same sliding window frees blocks behind it (kv_cache_manager.py). Not
-        # with speculative decoding: a draft model reads the target's block ids over its own (unwindowed) context.
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, block_size, config.cache_config.enable_prefix_caching, sliding_window=window
+            num_blocks, block_size, config.cache_config.enable_prefix_caching, layout.group_windows
         )
         lora_config = config.lora_config
         self.scheduler = Scheduler(
@@ -109,24 +106,59 @@ class EngineCore:
         self._idle_check_start = 0  # first block of the next window (pools over IDLE_CHECK_MAX_BLOCKS)
         self.num_integrity_failures = 0
         self.last_integrity_error: str | None = None
-        self.kv_cache_info = {
+        self.kv_cache_info = self._log_kv_cache(num_blocks)
+
+    def _log_kv_cache(self, num_blocks: int) -> dict[str, Any]:
+        """Log the KV cache's size and capacity; return ``kv_cache_info``. For a model with sliding-window layers,
+        also what one ``max_model_len`` sequence's KV takes with the windowed cache and without it (every layer
+        keeping every block), whichever is on."""
+        config = self.config
+        block_size = config.cache_config.block_size
+        max_model_len = config.model_config.max_model_len
+        layout = self.runner.kv_layout
+        per_group = blocks_per_sequence(layout.group_windows, block_size, max_model_len)  # while decoding
+        info = {
             "num_blocks": num_blocks,
             "block_size": block_size,
             "num_tokens": num_blocks * block_size,
             "kv_cache_bytes": num_blocks * self.runner.kv_block_bytes(),
-            "max_concurrency": num_blocks / blocks_per_seq,
+            "max_concurrency": num_blocks / sum(per_group),
+            "group_windows": list(layout.group_windows),
         }
+        groups = "" if layout.num_groups == 1 else f" in {layout.num_groups} groups: {layout.describe()}"
         logger.info(
-            "KV cache (%s): %d blocks of %d tokens (%d tokens, %.1f MiB); maximum concurrency for %d-token "
+            "KV cache (%s): %d blocks of %d tokens (%d tokens, %.1f MiB)%s; maximum concurrency for %d-token "
             "requests: %.2fx",
             config.cache_config.cache_dtype,
             num_blocks,
             block_size,
             num_blocks * block_size,
-            self.kv_cache_info["kv_cache_bytes"] / 2**20,
+            info["kv_cache_bytes"] / 2**20,
+            groups,
             max_model_len,
-            self.kv_cache_info["max_concurrency"],
+            info["max_concurrency"],
         )
+        # What a sequence costs (this rank's layers) with the windowed cache, every window freed behind, and
+        # without it, one group keeping every block.
+        windows = self.runner.layer_windows()
+        windowed = plan_kv_cache_layout(windows, max_model_len)
+        if windowed.group_windows == (None,):
+            return info  # no layer has a window to free behind
+        seq_blocks = blocks_per_sequence(windowed.group_windows, block_size, max_model_len)
+        info["seq_kv_bytes_windowed"] = sum(seq_blocks) * self.runner.kv_block_bytes(windowed)
+        full = plan_kv_cache_layout([None] * len(windows), max_model_len)
+        info["seq_kv_bytes_full"] = cdiv(max_model_len, block_size) * self.runner.kv_block_bytes(full)
+        logger.info(
+            "KV cache per %d-token sequence: %s with the windowed cache (blocks per group %s), %s without it "
+            "(%.2fx as much); windowed cache %s",
+            max_model_len,
+            _bytes(info["seq_kv_bytes_windowed"]),
+            "/".join(map(str, seq_blocks)),
+            _bytes(info["seq_kv_bytes_full"]),
+            info["seq_kv_bytes_full"] / info["seq_kv_bytes_windowed"],
+            "on" if layout == windowed else "off (disable_hybrid_kv_cache_manager, spec decoding or PP)",
+        )
+        return info
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a tokenized request; ``ValueError`` if it can never run (the front-end checks this first)."""

@@ -18,6 +18,9 @@ class Attention(nn.Module):
     (``self_attn.sinks`` in GPT-OSS checkpoints): that block registers the parameter, this layer keeps a reference
     to it (so it is listed under both names, one parameter, as tied embeddings are) and reads it at every call.
 
+    ``kv_group``: the KV cache group the layer belongs to (core/kv_cache_manager.py; set by the model runner), whose
+    block table and slot mapping it reads (``AttentionMetadata.for_kv_group``); 0 unless the model is hybrid.
+
     FP8 KV cache: ``k_scale`` / ``v_scale`` (plain floats, per tensor) divide what is written to a
     ``float8_e4m3fn`` cache and multiply what is read back. The loader sets them from a checkpoint's
     ``self_attn.k_scale`` / ``v_scale`` (or ``kv_scale``) through :meth:`set_kv_scales`; otherwise they stay 1.0,
@@ -54,6 +57,7 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
         self.sinks = sinks
+        self.kv_group = 0
         self.k_scale = 1.0
         self.v_scale = 1.0
         self.kv_scales_from_checkpoint = False
@@ -84,7 +88,7 @@ class Attention(nn.Module):
             key,
             value,
             kv_cache,
-            attn_metadata,
+            attn_metadata.for_kv_group(self.kv_group),
             self.scale,
             sliding_window=self.sliding_window,
             logits_soft_cap=self.logits_soft_cap,
@@ -98,6 +102,7 @@ class Attention(nn.Module):
             f"layer={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
             f"head_dim={self.head_dim}, backend={self.attn_backend.name}"
             + (f", sliding_window={self.sliding_window}" if self.sliding_window else "")
+            + (f", kv_group={self.kv_group}" if self.kv_group else "")
             + (f", logits_soft_cap={self.logits_soft_cap}" if self.logits_soft_cap else "")
             + (", sinks" if self.sinks is not None else "")
             + (f", k_scale={self.k_scale}, v_scale={self.v_scale}" if self.kv_scales_from_checkpoint else "")

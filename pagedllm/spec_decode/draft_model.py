@@ -65,10 +65,12 @@ def draft_engine_config(config: EngineConfig) -> EngineConfig:
             f"max_model_len ({target.max_model_len}); lower max_model_len"
         )
     draft_model.max_model_len = target.max_model_len
-    # Under tensor parallelism the draft is not sharded: it runs whole in the engine core's process (rank 0).
+    # Under tensor parallelism the draft is not sharded: it runs whole in the engine core's process (rank 0). Its
+    # cache follows the target's block ids, one list per request: one KV cache group, whatever its layers' windows.
     return replace(
         config,
         model_config=draft_model,
+        cache_config=replace(config.cache_config, disable_hybrid_kv_cache_manager=True),
         speculative_config=None,
         lora_config=None,
         parallel_config=ParallelConfig(),
@@ -177,7 +179,7 @@ class DraftModelProposer:
                     token_ids=list(request.all_token_ids),
                     num_prompt_tokens=request.num_prompt_tokens,
                     sampling_params=_GREEDY,
-                    block_ids=block_ids,
+                    block_ids=(block_ids,),
                     num_computed_tokens=0,
                 )
             )
@@ -193,7 +195,7 @@ class DraftModelProposer:
             state.num_computed = min(state.num_computed, first_stale)
             batch.set_token_ids(req_id, first_stale, request.all_token_ids[first_stale:])
             if len(block_ids) > state.num_blocks:
-                cached.append(CachedRequestData(req_id, block_ids[state.num_blocks :], state.num_computed))
+                cached.append(CachedRequestData(req_id, (block_ids[state.num_blocks :],), state.num_computed))
                 state.num_blocks = len(block_ids)
         num_sched[req_id] = num_tokens - state.num_computed
         num_computed[req_id] = state.num_computed

@@ -5,6 +5,10 @@ lives in static device buffers that each step overwrites in place::
 
     input_ids[bs]  positions[bs]  slot_mapping[bs]  seq_lens[bs]  block_table[bs, max_blocks]  -> hidden[bs, H]
 
+A hybrid model (KV cache groups, core/kv_cache_manager.py) has one slot mapping and one block table per group:
+``slot_mapping[groups, bs]`` and ``block_table[bs, groups, max_blocks]`` (group g's table is the strided view
+``[:, g]``, rows ``max_blocks * groups`` apart, so the rows a batch uses stay one contiguous copy).
+
 Padding rows (n..bs) get slot -1 (their keys are never written) and a context of one token, so they read block 0
 harmlessly and their rows of ``hidden`` are ignored. The attention kernel's grid depends only on the batch size
 and on ``max_seq_len``, which is fixed at capture to ``max_model_len`` (the kernel reads each row's real length
@@ -38,6 +42,7 @@ class CudaGraphRunner:
         max_blocks_per_req: int,
         max_model_len: int,
         device: torch.device,
+        num_kv_groups: int = 1,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -47,26 +52,28 @@ class CudaGraphRunner:
         self.device = device
         bs = self.max_bs
         self.max_blocks = max_blocks_per_req
+        self.num_groups = g = num_kv_groups
         # Static device buffers (the graphs' inputs), as views of two flat buffers so that one step's inputs
         # arrive in two host-to-device copies:
-        #   i64: [input_ids (bs) | positions (bs) | slot_mapping (bs)]
-        #   i32: [seq_lens (bs) | block_table (bs * max_blocks)]
-        self.dev_i64 = torch.zeros(3 * bs, dtype=torch.long, device=device)
-        self.dev_i32 = torch.zeros(bs + bs * max_blocks_per_req, dtype=torch.int32, device=device)
+        #   i64: [input_ids (bs) | positions (bs) | slot_mapping (groups * bs)]
+        #   i32: [seq_lens (bs) | block_table (bs * groups * max_blocks)]
+        self.dev_i64 = torch.zeros((2 + g) * bs, dtype=torch.long, device=device)
+        self.dev_i32 = torch.zeros(bs + bs * g * max_blocks_per_req, dtype=torch.int32, device=device)
         self.input_ids = self.dev_i64[:bs]  # [bs]
         self.positions = self.dev_i64[bs : 2 * bs]  # [bs]
-        self.slot_mapping = self.dev_i64[2 * bs :]  # [bs]
+        self.slot_mapping = self.dev_i64[2 * bs :].view(g, bs)  # [groups, bs]
         self.seq_lens = self.dev_i32[:bs]  # [bs]
-        self.block_table = self.dev_i32[bs:].view(bs, max_blocks_per_req)  # [bs, max_blocks]
+        self.block_table = self.dev_i32[bs:].view(bs, g, max_blocks_per_req)  # [bs, groups, max_blocks]
         self.slot_mapping.fill_(-1)
         self.seq_lens.fill_(1)
         self.query_start_loc = torch.arange(bs + 1, dtype=torch.int32, device=device)  # [bs + 1]
         # Pinned host twins, two of each used in turn: with async scheduling the host fills step N+1's inputs
         # while step N's copy may still wait in the stream. Step N-1's copy, the last user of the other twin, is
         # done by then (the engine has read step N-1's sampled ids, which the stream produced after that copy).
-        self.host_i64 = [torch.zeros(3 * bs, dtype=torch.long, pin_memory=True) for _ in range(2)]
+        self.host_i64 = [torch.zeros((2 + g) * bs, dtype=torch.long, pin_memory=True) for _ in range(2)]
         self.host_i32 = [
-            torch.zeros(bs + bs * max_blocks_per_req, dtype=torch.int32, pin_memory=True) for _ in range(2)
+            torch.zeros(bs + bs * g * max_blocks_per_req, dtype=torch.int32, pin_memory=True)
+            for _ in range(2)
         ]
         self._turn = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -80,11 +87,14 @@ class CudaGraphRunner:
             max_seq_len=self.max_model_len,
             query_start_loc=self.query_start_loc[: bs + 1],
             seq_lens=self.seq_lens[:bs],
-            block_table=self.block_table[:bs],
-            slot_mapping=self.slot_mapping[:bs],
+            block_table=self.block_table[:bs, 0],
+            slot_mapping=self.slot_mapping[0, :bs],
             query_start_loc_cpu=torch.arange(bs + 1, dtype=torch.int32),
             seq_lens_cpu=torch.ones(bs, dtype=torch.int32),
             is_pure_decode=True,
+            kv_group_tables=tuple(
+                (self.block_table[:bs, g], self.slot_mapping[g, :bs]) for g in range(1, self.num_groups)
+            ),
         )
 
     @torch.inference_mode()
@@ -127,33 +137,34 @@ class CudaGraphRunner:
         self,
         input_ids: np.ndarray,  # [n] int64
         positions: np.ndarray,  # [n] int64
-        slot_mapping: np.ndarray,  # [n] int64
+        slot_mapping: np.ndarray,  # [groups, n] int64
         seq_lens: np.ndarray,  # [n] int32
-        block_table: np.ndarray,  # [n, nb] int32
+        block_table: np.ndarray,  # [groups, n, nb] int32
         input_patch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:  # [n, hidden_size], a view of the graph's output (valid until the next replay)
         """``input_patch`` = (dst, src, values): ``input_ids[dst] = values[src]`` on the device before the
         replay (tokens sampled by the previous, still running step)."""
         n = input_ids.shape[0]
         bs = self.padded_size(n)
-        nb = block_table.shape[1]
-        m, mb = self.max_bs, self.max_blocks
+        nb = block_table.shape[2]
+        m, mb, g = self.max_bs, self.max_blocks, self.num_groups
         host_i64, host_i32 = self.host_i64[self._turn], self.host_i32[self._turn]
         self._turn ^= 1
         h64, h32 = host_i64.numpy(), host_i32.numpy()
         h64[:n] = input_ids
         h64[m : m + n] = positions
-        h64[2 * m : 2 * m + n] = slot_mapping
+        slots = h64[2 * m :].reshape(g, m)
+        slots[:, :n] = slot_mapping
         h64[n:bs] = 0
         h64[m + n : m + bs] = 0
-        h64[2 * m + n : 2 * m + bs] = -1  # padding rows write no keys
+        slots[:, n:bs] = -1  # padding rows write no keys
         h32[:n] = seq_lens
         h32[n:bs] = 1  # padding rows attend to one (ignored) key
-        table = h32[m:].reshape(m, mb)
-        table[:n, :nb] = block_table
-        table[n:bs, :nb] = 0
+        table = h32[m:].reshape(m, g, mb)
+        table[:n, :, :nb] = block_table.transpose(1, 0, 2)
+        table[n:bs, :, :nb] = 0
         self.dev_i64.copy_(host_i64, non_blocking=True)
-        end = m + bs * mb
+        end = m + bs * g * mb
         self.dev_i32[:end].copy_(host_i32[:end], non_blocking=True)
         if input_patch is not None:
             dst, src, values = input_patch

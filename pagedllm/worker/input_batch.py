@@ -37,17 +37,23 @@ def is_plain(params: SamplingParams) -> bool:
 
 class InputBatch:
     def __init__(
-        self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int, device: torch.device
+        self,
+        max_num_reqs: int,
+        max_model_len: int,
+        max_blocks_per_req: int,
+        device: torch.device,
+        num_kv_groups: int = 1,
     ) -> None:
+        """``num_kv_groups``: block tables per row, one per KV cache group (core/kv_cache_manager.py)."""
         self.max_num_reqs = max_num_reqs
         self.device = device
         self.token_ids_np = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)  # [rows, max_model_len]
         self.num_tokens_np = np.zeros(max_num_reqs, dtype=np.int64)  # [rows] tokens, placeholders included
         self.num_prompt_tokens_np = np.zeros(max_num_reqs, dtype=np.int64)  # [rows]
         self.block_table_np = np.zeros(
-            (max_num_reqs, max_blocks_per_req), dtype=np.int32
-        )  # [rows, max_blocks]
-        self.num_blocks_np = np.zeros(max_num_reqs, dtype=np.int32)  # [rows]
+            (num_kv_groups, max_num_reqs, max_blocks_per_req), dtype=np.int32
+        )  # [groups, rows, max_blocks]
+        self.num_blocks_np = np.zeros(max_num_reqs, dtype=np.int32)  # [rows] (the same in every group)
         self.pending_idx = np.full(
             max_num_reqs, -1, dtype=np.int64
         )  # [rows] index into in-flight sampled ids
@@ -98,8 +104,9 @@ class InputBatch:
         self.num_tokens_np[row] = n
         self.num_prompt_tokens_np[row] = data.num_prompt_tokens
         self.pending_idx[row] = -1
-        nb = len(data.block_ids)
-        self.block_table_np[row, :nb] = data.block_ids
+        assert len(data.block_ids) == len(self.block_table_np), "one block list per KV cache group"
+        nb = len(data.block_ids[0])
+        self.block_table_np[:, row, :nb] = data.block_ids
         self.num_blocks_np[row] = nb
         params = data.sampling_params
         self.params[row] = params
@@ -130,10 +137,11 @@ class InputBatch:
 
     def update(self, data: CachedRequestData) -> None:
         row = self.req_id_to_row[data.req_id]
-        if data.new_block_ids:
+        nb = len(data.new_block_ids[0])
+        if nb:
             start = int(self.num_blocks_np[row])
-            self.block_table_np[row, start : start + len(data.new_block_ids)] = data.new_block_ids
-            self.num_blocks_np[row] = start + len(data.new_block_ids)
+            self.block_table_np[:, row, start : start + nb] = data.new_block_ids
+            self.num_blocks_np[row] = start + nb
 
     def remove(self, req_id: str, keep_generator: bool = False) -> None:
         row = self.req_id_to_row.pop(req_id, None)

@@ -17,9 +17,10 @@ import torch
 
 from pagedllm.attention.base import AttentionMetadata, get_attention_backend
 from pagedllm.config import EngineConfig
+from pagedllm.core.kv_cache_manager import KVCacheLayout, plan_kv_cache_layout
 from pagedllm.core.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.parallel_state import local_num_kv_heads
-from pagedllm.layers.attention import kv_scales_summary
+from pagedllm.layers.attention import Attention, kv_scales_summary
 from pagedllm.sample.metadata import build_plain_sampling_metadata, build_sampling_metadata
 from pagedllm.sample.sampler import LogprobsTensors, Sampler, compute_logprobs_topk
 from pagedllm.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, rejection_sample
@@ -88,8 +89,13 @@ class ModelRunner:
         self.lora_manager = self._make_lora_manager()  # before the KV cache is sized: slots take memory
         self.sampler = Sampler()
         self.max_blocks_per_req = _cdiv(self.max_model_len, self.block_size)
+        self.kv_layout = self._plan_kv_layout()  # the engine core's KV cache manager keeps these groups
         self.input_batch = InputBatch(
-            self.max_num_reqs, self.max_model_len, self.max_blocks_per_req, self.device
+            self.max_num_reqs,
+            self.max_model_len,
+            self.max_blocks_per_req,
+            self.device,
+            self.kv_layout.num_groups,
         )
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
@@ -139,7 +145,41 @@ class ModelRunner:
                     req_slots[ids == lora_id] = slot
         mgr.set_mapping(req_slots, num_sched)  # graph replays run the captured LoRA kernels regardless
 
-    # ------------------------------------------------------------------ KV cache sizing
+    # ------------------------------------------------------------------ KV cache layout and sizing
+
+    def _attention_layers(self) -> list[Attention]:
+        return [m for m in self.model.modules() if isinstance(m, Attention)]
+
+    def layer_windows(self) -> list[int | None]:
+        """The sliding window of each of this rank's KV caches' layers (None: full attention; all None when the
+        caches are not ``Attention`` layers', e.g. MLA's)."""
+        num_layers = len(self.kv_cache_shapes(1))
+        layers = self._attention_layers()
+        return [m.sliding_window for m in layers] if len(layers) == num_layers else [None] * num_layers
+
+    def _plan_kv_layout(self) -> KVCacheLayout:
+        """This rank's KV cache groups and cache tensors (``plan_kv_cache_layout``): hybrid models get a group per
+        kind of layer unless ``disable_hybrid_kv_cache_manager``; others one group, whose window (when every layer
+        has the same) the KV cache manager frees behind.
+
+        Every rank plans the same groups. Pipeline stages (no hybrid layout there yet) keep a window only when every
+        layer of the model has it, which each stage learns from the model's per-layer rule. Speculative decoding
+        frees no window: a draft model reads the target's block ids over its own, unwindowed context. A hybrid
+        layout shares cache tensors between groups, so it needs every layer's cache to have the same shape.
+        """
+        windows = self.layer_windows()
+        num_layers = len(windows)
+        if self.config.speculative_config is not None:
+            return plan_kv_cache_layout([None] * num_layers, self.max_model_len)
+        if self.pp is not None:
+            mc = self.config.model_config
+            rule = self.model.attention_cls.layer_sliding_window
+            every = [rule(mc.hf_config, i) for i in range(mc.num_layers)]
+            window = plan_kv_cache_layout(every, self.max_model_len, hybrid=False).group_windows[0]
+            return plan_kv_cache_layout([window] * num_layers, self.max_model_len)
+        hybrid = not self.config.cache_config.disable_hybrid_kv_cache_manager
+        hybrid = hybrid and len(set(self.kv_cache_shapes(1))) == 1
+        return plan_kv_cache_layout(windows, self.max_model_len, hybrid)
 
     def kv_cache_shapes(self, num_blocks: int) -> list[tuple[int, ...]]:
         """Each layer's cache shape for ``num_blocks`` blocks: what the model declares (``model.kv_cache_shapes``,
@@ -153,10 +193,13 @@ class ModelRunner:
         shape = (2, num_blocks, self.block_size, self.num_kv_heads, mc.head_dim)
         return [shape] * (end - start)  # this pipeline stage's layers only
 
-    def kv_block_bytes(self) -> int:
-        """Bytes one block takes over all layers."""
+    def kv_block_bytes(self, layout: KVCacheLayout | None = None) -> int:
+        """Bytes one block takes under ``layout`` (default: this runner's): a page of each cache tensor (every
+        layer's; each slot's under a hybrid layout, whose groups share the tensors)."""
         elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
-        return sum(math.prod(shape) for shape in self.kv_cache_shapes(1)) * elem
+        slots = (layout or self.kv_layout).layer_slots
+        per_slot = dict(zip(slots, (math.prod(s) for s in self.kv_cache_shapes(1))))
+        return sum(per_slot.values()) * elem
 
     def determine_num_blocks(self, extra_block_bytes: int = 0) -> int:
         """Blocks that fit the memory budget: by hand (override / bytes), or profiled on CUDA, or a CPU default.
@@ -172,7 +215,7 @@ class ModelRunner:
             return self._profile_cuda_num_blocks(block_bytes)
         # CPU: a fixed byte budget, but no more than every sequence slot at full length could use.
         by_bytes = cc.cpu_kv_cache_bytes_default // block_bytes
-        return max(1, min(by_bytes, self.max_num_reqs * self.max_blocks_per_req))
+        return max(1, min(by_bytes, self.max_num_reqs * self.max_blocks_per_req * self.kv_layout.num_groups))
 
     @torch.inference_mode()
     def _profile_cuda_num_blocks(self, block_bytes: int) -> int:
@@ -215,14 +258,14 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[:n_logits])
             # Sampling with top-p sorts the whole vocabulary: include its working memory.
             probs = logits.softmax(-1).sort(dim=-1)
+        cache_scratch = sum(c.numel() * c.element_size() for c in caches)  # one tensor per layer here
         del hidden, logits, probs, caches
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
-        weights_and_cache_scratch = n_blocks * self.kv_block_bytes()  # the caches allocated above
         # Memory others (and the CUDA context) hold is outside torch's counters: count it as used.
         non_torch = total - free_before - torch.cuda.memory_allocated(self.device)
         budget = total * self.config.cache_config.gpu_memory_utilization
-        available = budget - peak - max(non_torch, 0) + weights_and_cache_scratch
+        available = budget - peak - max(non_torch, 0) + cache_scratch
         # Headroom for CUDA graphs and allocator fragmentation.
         available -= 512 * 1024**2
         torch.cuda.empty_cache()
@@ -236,10 +279,16 @@ class ModelRunner:
         return int(max(available, 0) // block_bytes)
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = [
-            torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
-            for shape in self.kv_cache_shapes(num_blocks)
-        ]
+        """Allocate ``num_blocks`` blocks: one cache tensor per slot of ``kv_layout`` (per layer, unless hybrid);
+        each layer gets its slot's tensor in ``kv_caches`` and reads its group's block table."""
+        layout = self.kv_layout
+        tensors: dict[int, torch.Tensor] = {}
+        for shape, slot in zip(self.kv_cache_shapes(num_blocks), layout.layer_slots):
+            if slot not in tensors:
+                tensors[slot] = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+        self.kv_caches = [tensors[slot] for slot in layout.layer_slots]  # per layer
+        for attn, group in zip(self._attention_layers(), layout.layer_groups):
+            attn.kv_group = group
         self.num_blocks = num_blocks
         logger.info(
             "KV cache dtype %s%s", self.kv_cache_dtype, kv_scales_summary(self.model, self.kv_cache_dtype)
@@ -261,6 +310,7 @@ class ModelRunner:
             self.max_blocks_per_req,
             self.max_model_len,
             self.device,
+            self.kv_layout.num_groups,
         )
         if self.lora_manager is not None:
             # Graphs record the LoRA kernels whatever the step's adapters; rows without one (and padding
@@ -324,11 +374,12 @@ class ModelRunner:
         positions = np.arange(num_tokens) - cu[req_of] + num_computed[req_of]  # [num_tokens]
         token_rows = rows[req_of]  # [num_tokens]
         input_ids = batch.token_ids_np[token_rows, positions]  # [num_tokens] (placeholders hold 0)
-        block_ids = batch.block_table_np[token_rows, positions // self.block_size]  # [num_tokens]
+        # One block table and slot mapping per KV cache group (a single group unless the model is hybrid).
+        block_ids = batch.block_table_np[:, token_rows, positions // self.block_size]  # [groups, num_tokens]
         slot_mapping = block_ids.astype(np.int64) * self.block_size + positions % self.block_size
         seq_lens = (num_computed + num_sched).astype(np.int32)  # [num_reqs]
         max_blocks = _cdiv(int(seq_lens.max()), self.block_size)
-        block_table = batch.block_table_np[rows, :max_blocks]  # [num_reqs, max_blocks]
+        block_table = batch.block_table_np[:, rows, :max_blocks]  # [groups, num_reqs, max_blocks]
 
         # Speculative decoding: a request's drafts follow its last token, in the batch past its known tokens.
         num_draft = np.zeros(n, dtype=np.int64)  # [num_reqs]
@@ -363,6 +414,8 @@ class ModelRunner:
         else:
             qsl_cpu = torch.from_numpy(cu.astype(np.int32))
             seq_lens_cpu = torch.from_numpy(seq_lens)
+            tables = torch.from_numpy(np.ascontiguousarray(block_table)).to(dev, non_blocking=True)
+            slots = torch.from_numpy(slot_mapping).to(dev, non_blocking=True)
             meta = AttentionMetadata(
                 num_reqs=n,
                 num_tokens=num_tokens,
@@ -370,11 +423,12 @@ class ModelRunner:
                 max_seq_len=int(seq_lens.max()),
                 query_start_loc=qsl_cpu.to(dev, non_blocking=True),
                 seq_lens=seq_lens_cpu.to(dev, non_blocking=True),
-                block_table=torch.from_numpy(np.ascontiguousarray(block_table)).to(dev, non_blocking=True),
-                slot_mapping=torch.from_numpy(slot_mapping).to(dev, non_blocking=True),
+                block_table=tables[0],
+                slot_mapping=slots[0],
                 query_start_loc_cpu=qsl_cpu,
                 seq_lens_cpu=seq_lens_cpu,
                 is_pure_decode=is_pure_decode,
+                kv_group_tables=tuple(zip(tables[1:], slots[1:])),
             )
             input_ids_dev = torch.from_numpy(input_ids).to(dev, non_blocking=True)
             if input_patch is not None:

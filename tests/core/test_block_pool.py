@@ -51,24 +51,24 @@ def test_chained_hash_depends_on_whole_prefix():
 def test_prefix_hit_reuses_blocks_and_leaves_one_token():
     kv = KVCacheManager(num_blocks=10, block_size=4)
     r1 = make_request("a", list(range(10)))
-    assert kv.get_computed_blocks(r1) == ([], 0)
+    assert kv.get_computed_blocks(r1) == (([],), 0)  # one list per KV cache group (here one group)
     assert kv.allocate_slots(r1, 10)
     r1.num_computed_tokens = 10
     kv.cache_blocks(r1)  # two full blocks registered
     r2 = make_request("b", list(range(8)) + [99, 98])
-    blocks, n = kv.get_computed_blocks(r2)
+    (blocks,), n = kv.get_computed_blocks(r2)
     assert n == 8 and [b.block_id for b in blocks] == kv.get_block_ids("a")[:2]
     # An exact repeat of a block-aligned prompt still computes its last token.
     r3 = make_request("c", list(range(8)))
-    blocks, n = kv.get_computed_blocks(r3)
+    _, n = kv.get_computed_blocks(r3)
     assert n == 4
     assert kv.prefix_cache_hits == 12 and kv.prefix_cache_queries == 28
     # Freed blocks stay cached and are revived by the next hit.
     kv.free(r1)
     assert kv.num_free_blocks == 10
-    blocks, n = kv.get_computed_blocks(r2)
-    assert kv.allocate_slots(r2, 2, blocks)
-    assert kv.get_block_ids("b")[:2] == [b.block_id for b in blocks]
+    hit, n = kv.get_computed_blocks(r2)
+    assert kv.allocate_slots(r2, 2, hit)
+    assert kv.get_block_ids("b")[:2] == [b.block_id for b in hit[0]]
     assert kv.num_free_blocks == 10 - 3
     kv.check_integrity()
 
@@ -93,4 +93,4 @@ def test_prompt_logprobs_requests_skip_prefix_cache():
     r1.num_computed_tokens = 9
     kv.cache_blocks(r1)
     r2 = make_request("b", list(range(9)), prompt_logprobs=1)
-    assert kv.get_computed_blocks(r2) == ([], 0)
+    assert kv.get_computed_blocks(r2) == (([],), 0)

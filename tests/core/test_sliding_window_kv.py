@@ -1,6 +1,6 @@
 """Models whose every layer has a sliding window free the KV blocks behind it: a long sequence holds about
-W / block_size blocks, the output stays transformers' token for token, freed blocks keep serving prefix hits,
-and hybrid or unwindowed models keep every block."""
+W / block_size blocks, the output stays transformers' token for token, freed blocks keep serving prefix hits, and
+unwindowed models keep every block (hybrid models: tests/core/test_hybrid_kv.py)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def test_long_generation_holds_only_the_window(tiny_model_dirs) -> None:
     path = tiny_model_dirs["mistral"]  # window 16, every layer
     llm = LLM(path, device="cpu", dtype="float32", block_size=4, max_model_len=160, max_num_batched_tokens=16)
     kv = llm.llm_engine.engine_core.kv_cache_manager
-    assert kv.sliding_window == TINY_WINDOWS["mistral"] == 16
+    assert [g.sliding_window for g in kv.groups] == [TINY_WINDOWS["mistral"]] == [16]
     peak = _peak_blocks(llm)
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 200) for _ in range(n)] for n in (23, 40)]
@@ -47,10 +47,10 @@ def test_long_generation_holds_only_the_window(tiny_model_dirs) -> None:
     assert kv.num_free_blocks == kv.pool.num_blocks
 
 
-def test_hybrid_and_unwindowed_models_keep_every_block(tiny_model_dirs) -> None:
-    for arch in ("gemma2", "llama"):  # gemma2: windowed and global layers alternate
-        llm = LLM(tiny_model_dirs[arch], device="cpu", dtype="float32", block_size=4, max_model_len=64)
-        assert llm.llm_engine.engine_core.kv_cache_manager.sliding_window is None
+def test_unwindowed_and_hybrid_off_models_keep_every_block(tiny_model_dirs) -> None:
+    for arch, kw in (("llama", {}), ("gemma2", {"disable_hybrid_kv_cache_manager": True})):
+        llm = LLM(tiny_model_dirs[arch], device="cpu", dtype="float32", block_size=4, max_model_len=64, **kw)
+        assert [g.sliding_window for g in llm.llm_engine.engine_core.kv_cache_manager.groups] == [None]
 
 
 def _request(rid: str, tokens: list[int]) -> Request:
@@ -58,7 +58,7 @@ def _request(rid: str, tokens: list[int]) -> Request:
 
 
 def test_freed_blocks_keep_their_hashes_for_prefix_hits() -> None:
-    kv = KVCacheManager(num_blocks=16, block_size=4, enable_caching=True, sliding_window=4)
+    kv = KVCacheManager(num_blocks=16, block_size=4, enable_caching=True, group_windows=[4])
     tokens = list(range(100, 124))  # 6 full blocks
     first = _request("a", tokens)
     assert kv.allocate_slots(first, 24)
@@ -71,7 +71,8 @@ def test_freed_blocks_keep_their_hashes_for_prefix_hits() -> None:
     kv.check_integrity()
     second = _request("b", tokens + [7])
     hit_blocks, num_hit = kv.get_computed_blocks(second)  # the freed blocks still hold their KV and hashes
-    assert num_hit == 24 and len(hit_blocks) == 6
+    # The query at 24 reads keys 21..24: only the last block is needed (NULL_BLOCK before it).
+    assert num_hit == 24 and hit_blocks[0][:5] == [NULL_BLOCK] * 5 and hit_blocks[0][5] is held[5]
     assert kv.allocate_slots(second, 1, hit_blocks)
     kv.check_integrity()
     kv.free(first)

@@ -14,6 +14,9 @@ from tests.utils import TINY_ARCHS, TINY_WINDOWS, hf_greedy, hf_logprobs
 
 MAX_NEW = 12
 UNIFORM_WINDOW_POOL = {"mistral": 12, "phi3": 16}  # archs whose every layer has the window: KV pool size
+# Hybrid archs (a full-attention and a sliding KV cache group sharing the pool): a block is a page of one layer, half
+# the others' (two layers), so twice the blocks for the same memory.
+HYBRID_POOL = {"gemma2": 40, "gemma3": 40, "gpt_oss": 40, "qwen2_moe-window-dense": 40}
 
 
 def _prompts(vocab: int) -> list[list[int]]:
@@ -38,10 +41,11 @@ def test_long_prompts_chunked_prefix_hits_preemption(tiny_model_dirs, arch):
         max_num_batched_tokens=8,  # prompts arrive in chunks of at most 8 tokens
         # three sequences of ~13 blocks cannot all fit: preemption. Models whose every layer slides free the blocks
         # behind the window (a sequence holds ~W / 4 + 2 blocks), so they get a smaller pool to be preempted too.
-        num_gpu_blocks_override=UNIFORM_WINDOW_POOL.get(arch, 20),
+        num_gpu_blocks_override=UNIFORM_WINDOW_POOL.get(arch, HYBRID_POOL.get(arch, 20)),
     )
-    window = llm.llm_engine.engine_core.kv_cache_manager.sliding_window
-    assert window == (TINY_WINDOWS[arch] if arch in UNIFORM_WINDOW_POOL else None)
+    # KV cache group 0: the window when every layer slides, else full attention (hybrid models add sliding groups)
+    windows = [g.sliding_window for g in llm.llm_engine.engine_core.kv_cache_manager.groups]
+    assert windows[0] == (TINY_WINDOWS[arch] if arch in UNIFORM_WINDOW_POOL else None)
     vocab = llm.llm_engine.engine_core.vocab_size
     prompts = _prompts(vocab)
     assert all(len(p) > TINY_WINDOWS.get(arch, 0) for p in prompts)
