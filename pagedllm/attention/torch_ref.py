@@ -1,12 +1,22 @@
 """Pure-PyTorch paged attention: the CPU path and the oracle that faster kernels are tested against.
 
-Written for clarity first: one loop over requests (driven by host-side lengths), each request's context
-gathered through its block table, then a masked SDPA in float32. See ``base.py`` for the cache layout, and for
-what ``sliding_window``, ``logits_soft_cap`` and ``sinks`` mean.
+A step is planned once from the host-side lengths (``_plan_step``: which cache rows each request reads, and the
+masks), and the plan serves every layer with the same window. Each layer then gathers the visible keys of each
+request with one ``index_select`` and attends in float32: one-token queries (decodes) in padded SDPA calls over
+groups of similar length, each longer query (prefill or chunk) in a call of its own. See ``base.py`` for the
+cache layout, and for what ``sliding_window``, ``logits_soft_cap`` and ``sinks`` mean.
+
+Cache rows: one layer's key cache ``[num_blocks, block_size, num_kv_heads, head_dim]`` seen as
+``[num_slots * num_kv_heads, head_dim]``; row ``slot * num_kv_heads + h`` is kv head ``h`` of slot ``slot``
+(``slot = block_id * block_size + offset``). Gathering rows in the order ``[..., num_kv_heads, L]`` gives keys
+already laid out ``[..., num_kv_heads, L, head_dim]`` for SDPA, in one copy.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -25,6 +35,36 @@ def _dequantize(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tens
     return x.to(dtype)
 
 
+def _valid_slots(slot_mapping: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The tokens to write (those whose slot is not -1: ``[num_valid]`` indices, or None for all of them) and
+    their slots (``[num_valid]``). Syncs with the host on CUDA."""
+    slots = slot_mapping[:num_tokens]  # [T]
+    valid = slots >= 0  # [T]
+    if bool(valid.all()):
+        return None, slots
+    tokens = valid.nonzero().squeeze(1)  # [num_valid]
+    return tokens, slots[tokens]
+
+
+def _write_kv(
+    key: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], contiguous
+    tokens: torch.Tensor | None,  # [num_valid] which tokens to write; None = all T
+    slots: torch.Tensor,  # [num_valid] int64, their flat slots
+    k_scale: float,
+    v_scale: float,
+) -> None:
+    if tokens is not None:
+        key, value = key.index_select(0, tokens), value.index_select(0, tokens)  # [num_valid, kv_heads, hd]
+    # [num_blocks * block_size, num_kv_heads, head_dim] each
+    key_cache, value_cache = (kv_cache[i].view(-1, *kv_cache.shape[-2:]) for i in (0, 1))
+    if kv_cache.dtype == FP8_KV_DTYPE:
+        key, value = quantize_kv_fp8(key, k_scale), quantize_kv_fp8(value, v_scale)
+    key_cache[slots] = key.to(key_cache.dtype)
+    value_cache[slots] = value.to(value_cache.dtype)
+
+
 def write_kv_cache_ref(
     key: torch.Tensor,  # [T, num_kv_heads, head_dim]
     value: torch.Tensor,  # [T, num_kv_heads, head_dim]
@@ -37,24 +77,122 @@ def write_kv_cache_ref(
 
     An FP8 cache stores ``quantize_kv_fp8(key, k_scale)`` and ``quantize_kv_fp8(value, v_scale)``.
 
-    (The boolean mask makes this sync with the host on CUDA; fine for a reference.)
+    (Finding the -1 entries syncs with the host on CUDA; fine for a reference.)
     """
-    num_tokens = key.shape[0]
-    slots = slot_mapping[:num_tokens]  # [T]
-    valid = slots >= 0  # [T]
-    key_cache = kv_cache[0].view(
-        -1, *kv_cache.shape[-2:]
-    )  # [num_blocks * block_size, num_kv_heads, head_dim]
-    value_cache = kv_cache[1].view(
-        -1, *kv_cache.shape[-2:]
-    )  # [num_blocks * block_size, num_kv_heads, head_dim]
-    valid_slots = slots[valid]  # [num_valid]
-    if kv_cache.dtype == FP8_KV_DTYPE:
-        key_cache[valid_slots] = quantize_kv_fp8(key[valid], k_scale)
-        value_cache[valid_slots] = quantize_kv_fp8(value[valid], v_scale)
-        return
-    key_cache[valid_slots] = key[valid].to(key_cache.dtype)
-    value_cache[valid_slots] = value[valid].to(value_cache.dtype)
+    _write_kv(key, value, kv_cache, *_valid_slots(slot_mapping, key.shape[0]), k_scale, v_scale)
+
+
+@dataclass
+class _Prefill:
+    """A request with more than one query token: its query rows and the keys it may see."""
+
+    q_start: int
+    q_end: int
+    rows: torch.Tensor  # [num_kv_heads * L] int64 cache rows, laid out [num_kv_heads, L]
+    mask: torch.Tensor | None  # [query_len, L] bool, True = attend; None = plain causal (query_len == L)
+
+
+@dataclass
+class _Decodes:
+    """One-token requests of similar length (see ``_DECODE_GROUPS``), padded to the longest: one SDPA call."""
+
+    tokens: torch.Tensor  # [R] their query rows
+    rows: torch.Tensor  # [R * num_kv_heads * L] int64 cache rows, laid out [R, num_kv_heads, L]
+    mask: torch.Tensor | None  # [R, 1, 1, L] bool, False on padding keys; None when nothing is padded
+    num_keys: int  # L: the most keys any of them sees
+
+
+@dataclass
+class _StepPlan:
+    """What every request of one step reads from a layer's cache under one sliding window (see ``_plan_step``)."""
+
+    decodes: list[_Decodes]
+    prefills: list[_Prefill]
+
+
+# Decodes are sorted by how many keys they see and split into this many groups (of equal count), each padded to
+# its longest and attended in one call: one padded call over all of them gathers and reads up to twice the keys
+# when lengths are spread (CPU decode attention is bound by those memory passes). A fixed number of groups keeps
+# the per-step host work independent of the batch size.
+_DECODE_GROUPS = 4
+
+
+def _cache_rows(slots: np.ndarray, num_kv_heads: int) -> np.ndarray:  # [..., num_kv_heads * L] int64
+    """Cache rows (see the module docstring) of every kv head of ``slots`` ([..., L] int64), head-major."""
+    rows = slots[..., None, :] * num_kv_heads + np.arange(num_kv_heads)[:, None]  # [..., num_kv_heads, L]
+    return rows.reshape(*slots.shape[:-1], -1)
+
+
+def _plan_step(
+    block_table: torch.Tensor,  # [num_reqs, max_blocks_per_req]
+    seq_lens: torch.Tensor,  # [num_reqs] int: context length of each request (its keys already in the cache)
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] int
+    block_size: int,
+    num_kv_heads: int,
+    sliding_window: int | None,
+) -> _StepPlan:
+    """Query i of request r sits at position ``p = seq_lens[r] - query_len + i`` and sees the keys at positions
+    ``<= p`` (and, with a window W, ``> p - W``). Keys no query of the request sees are not gathered at all (so
+    slots behind a window, which may belong to other requests by now, are never read).
+
+    Decodes go in groups of similar length (``_DECODE_GROUPS``), each padded to its longest: a padding key reads
+    the request's newest key (written this step, so finite: a fresh or recycled slot may hold NaN, and
+    ``0 * NaN`` would leak through the masked softmax) and is masked out. Index arithmetic in NumPy on the host
+    (cheaper per op than small tensors), no Python loop over decodes; the results go to the cache's device.
+    """
+    device = block_table.device
+    table = block_table.cpu().numpy()  # [num_reqs, max_blocks_per_req]; a view on CPU
+    lens = seq_lens.cpu().numpy().astype(np.int64)  # [num_reqs]
+    starts = query_start_loc.cpu().numpy().astype(np.int64)  # [num_reqs + 1]
+    query_lens = np.diff(starts)  # [num_reqs]
+    too_long = np.flatnonzero(query_lens > lens)
+    if len(too_long):
+        r = int(too_long[0])
+        raise ValueError(f"request {r}: query_len {query_lens[r]} > seq_len {lens[r]}")
+
+    def to_device(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(device)
+
+    prefills = []
+    for r in np.flatnonzero(query_lens > 1).tolist():
+        seq_len, q_start, q_end = int(lens[r]), int(starts[r]), int(starts[r + 1])
+        query_len = q_end - q_start
+        # Keys before k_start are outside every query's window.
+        k_start = 0 if sliding_window is None else max(0, seq_len - query_len - sliding_window + 1)
+        k_pos = np.arange(k_start, seq_len)  # [L]
+        slots = table[r, k_pos // block_size].astype(np.int64) * block_size + k_pos % block_size  # [L]
+        mask = None  # plain causal: as many keys as queries, and no window in between
+        if seq_len - k_start != query_len or (sliding_window is not None and sliding_window < query_len):
+            q_pos = np.arange(seq_len - query_len, seq_len)[:, None]  # [query_len, 1]
+            visible = k_pos <= q_pos  # [query_len, L]
+            if sliding_window is not None:
+                visible &= k_pos > q_pos - sliding_window
+            mask = to_device(visible)
+        prefills.append(_Prefill(q_start, q_end, to_device(_cache_rows(slots, num_kv_heads)), mask))
+
+    # A decode's query sits at position seq_len - 1 and sees its last min(seq_len, W) keys.
+    decodes = np.flatnonzero(query_lens == 1)  # [num_decodes]
+    num_keys = lens[decodes] if sliding_window is None else np.minimum(lens[decodes], sliding_window)
+    order = np.argsort(-num_keys, kind="stable")  # most keys first
+    decodes, num_keys = decodes[order], num_keys[order]
+    groups = []
+    for reqs, keys in zip(np.array_split(decodes, _DECODE_GROUPS), np.array_split(num_keys, _DECODE_GROUPS)):
+        if not len(reqs):  # fewer decodes than groups
+            continue
+        j = np.arange(keys[0])  # [L]
+        real = j < keys[:, None]  # [R, L]
+        last = lens[reqs, None] - 1  # [R, 1]: the query's own position
+        k_pos = np.where(real, last + 1 - keys[:, None] + j, last)  # [R, L]
+        slots = table[reqs[:, None], k_pos // block_size].astype(np.int64) * block_size + k_pos % block_size
+        groups.append(
+            _Decodes(
+                tokens=to_device(starts[reqs]),
+                rows=to_device(_cache_rows(slots, num_kv_heads).reshape(-1)),
+                mask=None if real.all() else to_device(real[:, None, None, :]),
+                num_keys=int(keys[0]),
+            )
+        )
+    return _StepPlan(groups, prefills)
 
 
 def _attend(
@@ -62,9 +200,10 @@ def _attend(
     k: torch.Tensor,  # [B, num_kv_heads, key_len, head_dim]
     v: torch.Tensor,  # [B, num_kv_heads, key_len, head_dim]
     mask: torch.Tensor | None,  # bool, broadcastable to [B, num_heads, query_len, key_len]; True = attend
+    causal: bool,  # no mask: query i sees keys 0..i (query_len == key_len)
     scale: float,
     logits_soft_cap: float | None,
-    sinks: torch.Tensor | None = None,  # [num_heads]: one extra logit per head in the softmax denominator
+    sinks: torch.Tensor | None = None,  # broadcastable to [B, num_heads, query_len, 1]: one logit per head
 ) -> torch.Tensor:  # [B, num_heads, query_len, head_dim]
     """Softmax attention; with ``logits_soft_cap`` the scores become ``cap * tanh(scores / cap)`` before the
     mask and the softmax; with ``sinks`` each head's softmax also runs over its sink logit, whose value is zero
@@ -73,7 +212,7 @@ def _attend(
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     if logits_soft_cap is None and sinks is None:
         return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads
+            q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=num_heads != num_kv_heads
         )
     if num_heads != num_kv_heads:
         k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)  # [B, num_heads, key_len, head_dim]
@@ -81,12 +220,13 @@ def _attend(
     scores = q @ k.transpose(-1, -2) * scale  # [B, num_heads, query_len, key_len]
     if logits_soft_cap is not None:
         scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
+    if causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     if sinks is None:
         return torch.softmax(scores, dim=-1) @ v
-    batch, _, query_len, _ = scores.shape
-    sink = sinks.to(scores.dtype).view(1, num_heads, 1, 1).expand(batch, num_heads, query_len, 1)
+    sink = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)  # [B, num_heads, query_len, 1]
     probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)  # [B, num_heads, query_len, key_len + 1]
     return probs[..., :-1] @ v  # the sink takes its share of the weight and contributes no value
 
@@ -95,117 +235,50 @@ def _paged_attention(
     query: torch.Tensor,  # [T, num_heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    block_table: torch.Tensor,  # [num_reqs, max_blocks_per_req]
-    seq_lens: list[int],  # [num_reqs] context length of each request (its keys already in the cache)
-    query_start_loc: list[int],  # [num_reqs + 1]
+    plan: _StepPlan,
     scale: float,
-    sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     k_scale: float = 1.0,  # FP8 cache: keys read as k_fp8 * k_scale (ignored otherwise)
     v_scale: float = 1.0,
     sinks: torch.Tensor | None = None,  # [num_heads]
-) -> torch.Tensor:  # [T, num_heads, head_dim]; rows past query_start_loc[-1] (padding) are zero
+) -> torch.Tensor:  # [T, num_heads, head_dim]; rows no request owns (padding) are zero
     num_heads = query.shape[1]
-    block_size, num_kv_heads, head_dim = key_cache.shape[1:]
+    num_kv_heads, head_dim = key_cache.shape[2:]
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     group = num_heads // num_kv_heads
-    acc_dtype = torch.promote_types(query.dtype, torch.float32)  # float32, or float64 when given float64
     if sinks is not None and sinks.shape != (num_heads,):
         raise ValueError(f"sinks must be [num_heads] = [{num_heads}], got {tuple(sinks.shape)}")
+    acc_dtype = torch.promote_types(query.dtype, torch.float32)  # float32, or float64 when given float64
+    keys = key_cache.reshape(-1, head_dim)  # [num_slots * num_kv_heads, head_dim]: the cache rows
+    values = value_cache.reshape(-1, head_dim)  # [num_slots * num_kv_heads, head_dim]
     out = torch.zeros_like(query)  # [T, num_heads, head_dim]
-    decodes = [r for r, s in enumerate(seq_lens) if query_start_loc[r + 1] - query_start_loc[r] == 1]
-    if len(decodes) > 1:
-        _decode_batched(
-            query, key_cache, value_cache, block_table, seq_lens, query_start_loc, decodes, scale, out,
-            sliding_window, logits_soft_cap, k_scale, v_scale, sinks,
-        )  # fmt: skip
-    decode_set = set(decodes) if len(decodes) > 1 else set()
-    for r, seq_len in enumerate(seq_lens):
-        q_start, q_end = query_start_loc[r], query_start_loc[r + 1]
-        query_len = q_end - q_start
-        if query_len == 0 or r in decode_set:
-            continue
-        if query_len > seq_len:
-            raise ValueError(f"request {r}: query_len {query_len} > seq_len {seq_len}")
-        # Keys before k_start are outside every query's window: not even gathered.
-        k_start = 0 if sliding_window is None else max(0, seq_len - query_len - sliding_window + 1)
-        first_block = k_start // block_size
-        num_blocks = (seq_len + block_size - 1) // block_size
-        block_ids = block_table[r, first_block:num_blocks].long()  # [num_blocks - first_block]
-        base = first_block * block_size  # position of the first gathered slot
-        keep = slice(k_start - base, seq_len - base)  # L = seq_len - k_start keys
-        k = key_cache[block_ids].flatten(0, 1)[keep]  # [L, num_kv_heads, head_dim]
-        v = value_cache[block_ids].flatten(0, 1)[keep]  # [L, num_kv_heads, head_dim]
-        # GQA: query head h reads kv head h // group.
-        k = _dequantize(k, acc_dtype, k_scale)  # [L, num_kv_heads, head_dim]
-        v = _dequantize(v, acc_dtype, v_scale)  # [L, num_kv_heads, head_dim]
-        k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [num_heads, L, head_dim]
-        v = v.repeat_interleave(group, dim=1).transpose(0, 1)  # [num_heads, L, head_dim]
-        q = query[q_start:q_end].to(acc_dtype).transpose(0, 1)  # [num_heads, query_len, head_dim]
-        # Query i sits at position seq_len - query_len + i and sees keys at positions <= it (and, with a
-        # window W, at positions > it - W).
-        if query_len == 1 and sliding_window is None:  # a decode sees the whole context: no mask needed
-            mask = None
-        else:
-            q_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)  # [query_len]
-            k_pos = torch.arange(k_start, seq_len, device=query.device)  # [L]
-            mask = k_pos[None, :] <= q_pos[:, None]  # [query_len, L], True = attend
-            if sliding_window is not None:
-                mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
-        o = _attend(q[None], k[None], v[None], mask, scale, logits_soft_cap, sinks)[0]  # [heads, q_len, hd]
-        out[q_start:q_end] = o.transpose(0, 1).to(out.dtype)
+
+    def gather(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [len(rows), head_dim] each
+        return (
+            _dequantize(keys.index_select(0, rows), acc_dtype, k_scale),
+            _dequantize(values.index_select(0, rows), acc_dtype, v_scale),
+        )
+
+    head_sinks = None if sinks is None else sinks.view(1, num_kv_heads, group, 1)
+    for d in plan.decodes:
+        num_decodes = d.tokens.shape[0]
+        k, v = (x.view(num_decodes, num_kv_heads, d.num_keys, head_dim) for x in gather(d.rows))
+        # GQA: query head h reads kv head h // group, so each kv head's group of query heads sits in the
+        # query-length dimension (one query token, so no causal mask between them): no GQA inside SDPA.
+        q = query.index_select(0, d.tokens).to(acc_dtype).view(num_decodes, num_kv_heads, group, head_dim)
+        o = _attend(q, k, v, d.mask, False, scale, logits_soft_cap, head_sinks)  # [R, kv_heads, group, hd]
+        out.index_copy_(0, d.tokens, o.reshape(num_decodes, num_heads, head_dim).to(out.dtype))
+
+    head_sinks = None if sinks is None else sinks.view(1, num_heads, 1, 1)
+    for p in plan.prefills:
+        k, v = (x.view(1, num_kv_heads, -1, head_dim) for x in gather(p.rows))  # [1, num_kv_heads, L, hd]
+        q = query[p.q_start : p.q_end].to(acc_dtype).transpose(0, 1)[None]  # [1, num_heads, query_len, hd]
+        o = _attend(
+            q, k, v, p.mask, p.mask is None, scale, logits_soft_cap, head_sinks
+        )  # [1, heads, q_len, hd]
+        out[p.q_start : p.q_end] = o[0].transpose(0, 1).to(out.dtype)
     return out
-
-
-def _decode_batched(
-    query: torch.Tensor,  # [T, num_heads, head_dim]
-    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    block_table: torch.Tensor,  # [num_reqs, max_blocks_per_req]
-    seq_lens: list[int],
-    query_start_loc: list[int],
-    reqs: list[int],  # requests with exactly one query token
-    scale: float,
-    out: torch.Tensor,  # [T, num_heads, head_dim], written at those requests' rows
-    sliding_window: int | None = None,
-    logits_soft_cap: float | None = None,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-    sinks: torch.Tensor | None = None,  # [num_heads]
-) -> None:
-    """All one-token queries in one padded SDPA call (the CPU decode path): keys past a request's length masked
-    (and, with a window W, keys at positions <= len - 1 - W)."""
-    block_size, num_kv_heads, head_dim = key_cache.shape[1:]
-    acc_dtype = torch.promote_types(query.dtype, torch.float32)
-    lens = torch.tensor([seq_lens[r] for r in reqs])  # [R]
-    max_len = int(lens.max())
-    num_blocks = (max_len + block_size - 1) // block_size
-    rows = torch.tensor(reqs, device=block_table.device)
-    tokens = torch.tensor([query_start_loc[r] for r in reqs], device=query.device)  # [R]
-    blocks = block_table[rows, :num_blocks].long()  # [R, num_blocks]
-    # Entries past a request's own blocks are not its blocks (padding, possibly invalid ids): read block 0 there
-    # instead (masked out below).
-    own = (
-        torch.arange(num_blocks)[None, :] < ((lens + block_size - 1) // block_size)[:, None]
-    )  # [R, num_blocks]
-    blocks = blocks.masked_fill(~own.to(blocks.device), 0)
-    k = _dequantize(key_cache[blocks].flatten(1, 2)[:, :max_len], acc_dtype, k_scale)  # [R, L, kv_heads, hd]
-    v = _dequantize(
-        value_cache[blocks].flatten(1, 2)[:, :max_len], acc_dtype, v_scale
-    )  # [R, L, kv_heads, hd]
-    k_pos = torch.arange(max_len, device=query.device)[None, :]  # [1, L]
-    mask = k_pos < lens.to(query.device)[:, None]  # [R, L]
-    if sliding_window is not None:  # the query sits at position len - 1
-        mask &= k_pos > lens.to(query.device)[:, None] - 1 - sliding_window
-    # Slots past a request's length may hold anything (NaN in a fresh or poisoned cache); 0 * NaN would leak.
-    # (Slots behind a window are zeroed too: they are never read, as in the Triton kernel.)
-    k = k.masked_fill(~mask[:, :, None, None], 0.0).transpose(1, 2)  # [R, num_kv_heads, L, head_dim]
-    v = v.masked_fill(~mask[:, :, None, None], 0.0).transpose(1, 2)  # [R, num_kv_heads, L, head_dim]
-    q = query[tokens].to(acc_dtype).unsqueeze(2)  # [R, num_heads, 1, head_dim]
-    # GQA without copying keys per query head: query head h reads kv head h // (num_heads // num_kv_heads).
-    o = _attend(q, k, v, mask[:, None, None, :], scale, logits_soft_cap, sinks)  # [R, num_heads, 1, head_dim]
-    out[tokens] = o.squeeze(2).to(out.dtype)
 
 
 def paged_attention_ref(
@@ -237,26 +310,35 @@ def paged_attention_ref(
     An FP8 (``float8_e4m3fn``) cache is read as ``k_fp8 * k_scale`` / ``v_fp8 * v_scale`` in float32: exactly
     the attention over a float32 cache holding those products.
     """
+    block_size, num_kv_heads = key_cache.shape[1:3]
+    plan = _plan_step(block_table, seq_lens, query_start_loc, block_size, num_kv_heads, sliding_window)
     return _paged_attention(
-        query,
-        key_cache,
-        value_cache,
-        block_table,
-        seq_lens.tolist(),
-        query_start_loc.tolist(),
-        scale,
-        sliding_window,
-        logits_soft_cap,
-        k_scale,
-        v_scale,
-        sinks,
-    )
+        query, key_cache, value_cache, plan, scale, logits_soft_cap, k_scale, v_scale, sinks
+    )  # fmt: skip
 
 
 class TorchAttentionBackend:
-    """The ``AttentionBackend`` in plain PyTorch: write this step's k/v, then ``paged_attention_ref``."""
+    """The ``AttentionBackend`` in plain PyTorch: write this step's k/v, then ``paged_attention_ref``.
+
+    What depends only on the step (the slots to write, the plan of which cache rows each request reads) is
+    computed at the first layer and reused by the others, per metadata object: ``AttentionMetadata`` is built
+    once a step (once a step per KV cache group in a hybrid model) and not changed after.
+    """
 
     name = "torch"
+
+    def __init__(self) -> None:
+        # id(metadata) -> (metadata, what was derived from it). Holding the metadata keeps its id from being
+        # reused; a handful of entries covers one step's KV cache groups, so the dict is reset when it fills.
+        self._derived_by_step: dict[int, tuple[AttentionMetadata, dict]] = {}
+
+    def _derived(self, metadata: AttentionMetadata) -> dict:
+        entry = self._derived_by_step.get(id(metadata))
+        if entry is None:
+            if len(self._derived_by_step) >= 8:
+                self._derived_by_step.clear()
+            entry = self._derived_by_step[id(metadata)] = (metadata, {})
+        return entry[1]
 
     def forward(
         self,
@@ -272,18 +354,20 @@ class TorchAttentionBackend:
         v_scale: float = 1.0,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        write_kv_cache_ref(key, value, kv_cache, metadata.slot_mapping, k_scale, v_scale)
+        derived = self._derived(metadata)
+        num_tokens = key.shape[0]
+        write = derived.get(("write", num_tokens))
+        if write is None:
+            write = derived[("write", num_tokens)] = _valid_slots(metadata.slot_mapping, num_tokens)
+        _write_kv(key, value, kv_cache, *write, k_scale, v_scale)
+        block_size, num_kv_heads = kv_cache.shape[2:4]
+        plan_key = ("plan", block_size, num_kv_heads, sliding_window)
+        plan = derived.get(plan_key)
+        if plan is None:
+            plan = derived[plan_key] = _plan_step(
+                metadata.block_table, metadata.seq_lens_cpu, metadata.query_start_loc_cpu,
+                block_size, num_kv_heads, sliding_window,
+            )  # fmt: skip
         return _paged_attention(
-            query,
-            kv_cache[0],
-            kv_cache[1],
-            metadata.block_table,
-            metadata.seq_lens_cpu.tolist(),
-            metadata.query_start_loc_cpu.tolist(),
-            scale,
-            sliding_window,
-            logits_soft_cap,
-            k_scale,
-            v_scale,
-            sinks,
-        )
+            query, kv_cache[0], kv_cache[1], plan, scale, logits_soft_cap, k_scale, v_scale, sinks
+        )  # fmt: skip

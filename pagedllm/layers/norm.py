@@ -21,6 +21,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(hidden_size))  # [hidden_size]
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.weight.dtype == torch.float32 and x.device.type == "cpu":
+            # One op instead of seven on the CPU path; ATen's CPU rms_norm is the arithmetic below, bit for bit.
+            return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)
         orig_dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)

@@ -133,10 +133,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", cos_sin, persistent=False)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [T, heads, head_dim]; cos, sin: [T, 1, rotary_dim // 2]
+        # x: [T, heads, head_dim]; cos, sin: [T, 1, rotary_dim], [cos | cos] and [-sin | sin]
         rot = x[..., : self.rotary_dim].float()
         x1, x2 = rot.chunk(2, dim=-1)  # [T, heads, rotary_dim // 2] each
-        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+        # [x1 cos - x2 sin | x2 cos + x1 sin] (bit for bit: adding -(x2 sin) is subtracting x2 sin), in 4 passes
+        rotated = (rot * cos).add_(torch.cat([x2, x1], dim=-1).mul_(sin)).to(x.dtype)
         if self.rotary_dim == self.head_dim:
             return rotated
         return torch.cat([rotated, x[..., self.rotary_dim :]], dim=-1)
@@ -158,6 +159,7 @@ class RotaryEmbedding(nn.Module):
             return query, key
         cos_sin = self.cos_sin_cache[positions]  # [T, rotary_dim]
         cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # [T, 1, rotary_dim // 2] each
+        cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)  # [T, 1, rotary_dim] each
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
 
 

@@ -93,6 +93,14 @@ def apply_top_k_top_p(
     return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
 
 
+def _exponential_(q: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Fill ``q`` with i.i.d. Exp(1) draws. On CPU as ``-log(U)``, U uniform in [0, 1): ``exponential_`` is a
+    scalar loop there, about 5x slower than ``uniform_`` and ``log_`` (4-5 ms of a 48-row decode step)."""
+    if q.device.type == "cpu":
+        return q.uniform_(generator=generator).log_().neg_()
+    return q.exponential_(generator=generator)
+
+
 def random_sample(
     probs: torch.Tensor,  # [num_reqs, vocab_size] float32, rows sum to 1; overwritten
     generators: dict[int, torch.Generator],  # row -> its own generator (seeded rows)
@@ -105,10 +113,10 @@ def random_sample(
     """
     q = torch.empty_like(probs)  # [num_reqs, vocab_size]
     if len(generators) < probs.shape[0]:
-        q.exponential_()
+        _exponential_(q)
     for row, generator in generators.items():
-        q[row].exponential_(generator=generator)
-    # exponential_ may return exactly 0; 0/0 would be NaN and could win the argmax.
+        _exponential_(q[row], generator)
+    # A draw may be exactly 0 (exponential_ can return it); 0/0 would be NaN and could win the argmax.
     q.clamp_(min=torch.finfo(q.dtype).tiny)
     return probs.div_(q).argmax(dim=-1)
 

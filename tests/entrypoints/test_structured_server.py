@@ -228,7 +228,9 @@ def test_reasoning_parser_and_structured_outputs(reasoning_server):
 
 @pytest.mark.parametrize("n", [1, 2])
 def test_tool_choice_required_gives_valid_calls(tc, n):
-    kw = {"tools": TOOLS, "tool_choice": "required", "n": n, "temperature": 0.8, "seed": 5}
+    # Sampled, not greedy; at 0.8 about half the seeds wander past max_tokens inside a JSON string (seen when the
+    # CPU sampler's random stream changed), at 0.5 seeds 1-7 all close their calls.
+    kw = {"tools": TOOLS, "tool_choice": "required", "n": n, "temperature": 0.5, "seed": 5}
     resp = chat(tc, **kw)
     for choice in resp.choices:
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
