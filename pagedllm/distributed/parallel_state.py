@@ -23,6 +23,9 @@ What is split (``T = tp_size``, rank ``r``):
     KV heads (KV >= T)  rank r: KV heads [r * KV / T, (r + 1) * KV / T)
     KV heads (KV < T)   rank r: KV head r // (T / KV), replicated on T / KV ranks (T % KV == 0)
     MLP                 intermediate rows [r * I / T, (r + 1) * I / T)
+    MoE experts         every expert's intermediate rows as the MLP's, or (expert parallel) experts
+                        [r * E / T, (r + 1) * E / T) whole; the router replicated (pagedllm/layers/fused_moe.py)
+    MLA (DeepSeek)      query heads and kv_b_proj's heads as attention heads; the latent cache replicated
     vocabulary          padded to a multiple of T; rank r: ids [r * V' / T, (r + 1) * V' / T)
 """
 
@@ -200,7 +203,8 @@ def pp_layer_partition(num_layers: int, pp_size: int, override: str | None = Non
     return tuple(parts)
 
 
-# Architectures whose model body builds only its stage's layers (pagedllm/models/llama.py's LlamaModel).
+# Architectures whose model body builds only its stage's layers (``LlamaModel.build_stage`` in
+# pagedllm/models/llama.py: Llama's, Gemma's and the MoE families' bodies): every supported one.
 PP_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -208,6 +212,14 @@ PP_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Phi3ForCausalLM",
     "GemmaForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "GptOssForCausalLM",
 )
 
 

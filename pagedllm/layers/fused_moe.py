@@ -25,15 +25,18 @@ Mixtral, ``norm_topk_prob`` for Qwen3-MoE) the k weights divided by their sum. D
 (:func:`group_limited_topk` for V2, :func:`noaux_tc_topk` for V3) are functions a model's ``FusedMoE`` subclass
 calls from its own ``route``.
 
-Tensor parallelism (``tp`` of ``T`` ranks, per-expert layout only), as vLLM does it by default: every rank holds
-every expert's slice ``r`` of the intermediate dim (``w13[e]``: the gate rows and the up rows of that slice,
-``w2[e]``: the same columns), computes its partial outputs for all tokens, and the block's output is summed over
-the ranks (one all-reduce, as a row-parallel layer). ``expert_parallel=True`` (vLLM's
-``--enable-expert-parallel``) instead gives rank ``r`` experts ``[r * E / T, (r + 1) * E / T)`` whole; routing
-stays global (the router is replicated), assignments to other ranks' experts are mapped to the invalid local id
-``E / T`` and skipped by both expert paths, and the block's output is all-reduced likewise. The loaders take whole
-checkpoint tensors and copy this rank's slice; other ranks' experts are ``RemoteExpert`` placeholders, whose
-checkpoint tensors the loader skips. ``forward_partial`` returns this rank's part before the all-reduce (a
+Tensor parallelism (``tp`` of ``T`` ranks, both layouts), as vLLM does it by default: every rank holds every
+expert's slice ``r`` of the intermediate dim (``w13[e]``: the gate rows and the up rows of that slice, ``w2[e]``:
+the same columns), computes its partial outputs for all tokens, and the block's output is summed over the ranks
+(one all-reduce, as a row-parallel layer). ``expert_parallel=True`` (vLLM's ``--enable-expert-parallel``) instead
+gives rank ``r`` experts ``[r * E / T, (r + 1) * E / T)`` whole; routing stays global (the router is replicated),
+assignments to other ranks' experts are mapped to the invalid local id ``E / T`` and skipped by both expert paths,
+and the block's output is all-reduced likewise. The loaders take whole checkpoint tensors and copy this rank's
+slice; other ranks' per-expert modules are ``RemoteExpert`` placeholders, whose checkpoint tensors the loader
+skips (the stacked layout's loaders cut the expert dim instead). Expert biases split with their weights:
+``w13_bias`` with the intermediate units (or experts), ``w2_bias`` is added once, so under the intermediate split
+rank 0 holds it and the other ranks zeros (as ``RowParallelLinear``'s bias); under expert parallelism each expert,
+and so its bias, lives on one rank. ``forward_partial`` returns this rank's part before the all-reduce (a
 subclass adding a shared expert sums its own partial in first).
 
 On CUDA the forward (routing included) reads nothing on the host and its shapes follow the token count alone, so
@@ -59,10 +62,17 @@ from pagedllm.platform import use_fused_kernels
 # (set by ``make_engine_config``; absent means False).
 EXPERT_PARALLEL_ATTR = "enable_expert_parallel"
 
-# Architectures whose MoE blocks run under tensor parallelism (and expert parallelism).
-MOE_TP_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
-# MoE architectures that still refuse tensor_parallel_size > 1.
-MOE_NO_TP_ARCHITECTURES = ("GptOssForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+# MoE architectures (all run under tensor and expert parallelism) -> their config fields for the number of routed
+# experts and each expert's intermediate size, which must split over the ranks.
+MOE_TP_FIELDS = {
+    "MixtralForCausalLM": ("num_local_experts", "intermediate_size"),
+    "GptOssForCausalLM": ("num_local_experts", "intermediate_size"),
+    "Qwen3MoeForCausalLM": ("num_experts", "moe_intermediate_size"),
+    "Qwen2MoeForCausalLM": ("num_experts", "moe_intermediate_size"),
+    "DeepseekV2ForCausalLM": ("n_routed_experts", "moe_intermediate_size"),
+    "DeepseekV3ForCausalLM": ("n_routed_experts", "moe_intermediate_size"),
+}
+MOE_TP_ARCHITECTURES = tuple(MOE_TP_FIELDS)
 
 
 def _check_shape(loaded_weight: torch.Tensor, expected: tuple[int, ...]) -> None:
@@ -102,19 +112,57 @@ def _deinterleave(t: torch.Tensor) -> torch.Tensor:  # [..., 2 * inter] (g0, u0,
     return torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1)
 
 
-def _interleaved_transposed_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
-    """Checkpoint ``[E, hidden, 2 * inter]`` (gate/up interleaved columns) -> ``param: [E, 2 * inter, hidden]``."""
-    default_weight_loader(param, _deinterleave(loaded_weight).transpose(1, 2))
+class _StackedLoaders:
+    """Loaders for transformers' 3-D GPT-OSS expert tensors (see the module docstring) when this rank holds experts
+    ``[expert_start, expert_start + num_experts)`` of ``full_experts`` and, of each, intermediate units
+    ``[inter_start, inter_start + inter)`` of ``full_inter`` (everything without tensor parallelism).
+    ``owns_down_bias``: this rank adds the down projection's bias (else it holds zeros: the all-reduce adds it
+    once)."""
 
+    def __init__(
+        self,
+        expert_start: int,
+        num_experts: int,
+        full_experts: int,
+        inter_start: int,
+        inter: int,
+        full_inter: int,
+        owns_down_bias: bool,
+    ) -> None:
+        self.expert_start, self.num_experts, self.full_experts = expert_start, num_experts, full_experts
+        self.inter_start, self.inter, self.full_inter = inter_start, inter, full_inter
+        self.owns_down_bias = owns_down_bias
 
-def _interleaved_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
-    """Checkpoint bias ``[E, 2 * inter]`` (interleaved) -> ``param: [E, 2 * inter]`` (gate | up)."""
-    default_weight_loader(param, _deinterleave(loaded_weight))
+    def _gate_up(self, t: torch.Tensor) -> torch.Tensor:
+        """``[E, ..., 2 * full]`` (gate/up interleaved) -> this rank's ``[E_r, ..., 2 * inter]`` (gate | up)."""
+        t = t.narrow(0, self.expert_start, self.num_experts)
+        gate = t[..., 0::2].narrow(-1, self.inter_start, self.inter)
+        up = t[..., 1::2].narrow(-1, self.inter_start, self.inter)
+        return torch.cat([gate, up], dim=-1)
 
+    def w13(self, param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
+        """Checkpoint ``[E, hidden, 2 * full]`` (gate/up interleaved columns) -> ``param: [E_r, 2 * inter, hidden]``."""
+        _check_shape(loaded_weight, (self.full_experts, param.shape[2], 2 * self.full_inter))
+        default_weight_loader(param, self._gate_up(loaded_weight).transpose(1, 2))
 
-def _transposed_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
-    """Checkpoint ``[E, inter, hidden]`` -> ``param: [E, hidden, inter]``."""
-    default_weight_loader(param, loaded_weight.transpose(1, 2))
+    def w13_bias(self, param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
+        """Checkpoint ``[E, 2 * full]`` (interleaved) -> ``param: [E_r, 2 * inter]`` (gate | up)."""
+        _check_shape(loaded_weight, (self.full_experts, 2 * self.full_inter))
+        default_weight_loader(param, self._gate_up(loaded_weight))
+
+    def w2(self, param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
+        """Checkpoint ``[E, full, hidden]`` -> ``param: [E_r, hidden, inter]``."""
+        _check_shape(loaded_weight, (self.full_experts, self.full_inter, param.shape[1]))
+        rows = loaded_weight.narrow(0, self.expert_start, self.num_experts)  # [E_r, full, hidden]
+        default_weight_loader(param, rows.narrow(1, self.inter_start, self.inter).transpose(1, 2))
+
+    def w2_bias(self, param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
+        """Checkpoint ``[E, hidden]`` -> ``param: [E_r, hidden]``, or zeros on a rank that does not add it."""
+        _check_shape(loaded_weight, (self.full_experts, param.shape[1]))
+        if self.owns_down_bias:
+            default_weight_loader(param, loaded_weight.narrow(0, self.expert_start, self.num_experts))
+        else:
+            param.data.zero_()
 
 
 def _tagged(tensor: torch.Tensor, weight_loader) -> nn.Parameter:
@@ -129,20 +177,21 @@ class _StackedExperts(nn.Module):
 
     def __init__(
         self,
-        w13: torch.Tensor,  # [E, 2 * inter, hidden]
-        w2: torch.Tensor,  # [E, hidden, inter]
-        w13_bias: torch.Tensor | None,  # [E, 2 * inter]
-        w2_bias: torch.Tensor | None,  # [E, hidden]
+        w13: torch.Tensor,  # [E_r, 2 * inter_r, hidden]
+        w2: torch.Tensor,  # [E_r, hidden, inter_r]
+        w13_bias: torch.Tensor | None,  # [E_r, 2 * inter_r]
+        w2_bias: torch.Tensor | None,  # [E_r, hidden]
         w13_name: str,
         w2_name: str,
+        loaders: _StackedLoaders,
     ) -> None:
         super().__init__()
-        self.register_parameter(w13_name, _tagged(w13, _interleaved_transposed_loader))
-        self.register_parameter(w2_name, _tagged(w2, _transposed_loader))
+        self.register_parameter(w13_name, _tagged(w13, loaders.w13))
+        self.register_parameter(w2_name, _tagged(w2, loaders.w2))
         if w13_bias is not None:
-            self.register_parameter(f"{w13_name}_bias", _tagged(w13_bias, _interleaved_loader))
+            self.register_parameter(f"{w13_name}_bias", _tagged(w13_bias, loaders.w13_bias))
         if w2_bias is not None:
-            self.register_parameter(f"{w2_name}_bias", _tagged(w2_bias, default_weight_loader))
+            self.register_parameter(f"{w2_name}_bias", _tagged(w2_bias, loaders.w2_bias))
 
 
 class _ExpertWeight(nn.Module):
@@ -282,10 +331,6 @@ class FusedMoE(nn.Module):
     ) -> None:
         super().__init__()
         tp = tp if tp is not None else TPGroup.single()
-        if tp.size > 1 and checkpoint_layout != "per_expert":
-            raise ValueError(
-                f"MoE checkpoint_layout {checkpoint_layout!r} does not support tensor_parallel_size > 1 yet"
-            )
         if hidden_act not in ("silu", "swish", "swigluoai"):
             raise ValueError(f"unsupported MoE hidden_act {hidden_act!r}; supported: 'silu', 'swigluoai'")
         if checkpoint_layout not in ("per_expert", "stacked_interleaved"):
@@ -317,12 +362,16 @@ class FusedMoE(nn.Module):
         w2 = torch.empty(num_local, hidden_size, inter)
         self.register_buffer("w13", w13, persistent=False)  # [E_r, 2 * inter_r, hidden]
         self.register_buffer("w2", w2, persistent=False)  # [E_r, hidden, inter_r]
-        w13_bias = torch.empty(num_experts, 2 * intermediate_size) if expert_bias else None
-        w2_bias = torch.empty(num_experts, hidden_size) if expert_bias else None
-        self.register_buffer("w13_bias", w13_bias, persistent=False)  # [E, 2 * inter] (gate | up) or None
-        self.register_buffer("w2_bias", w2_bias, persistent=False)  # [E, hidden] or None
+        w13_bias = torch.empty(num_local, 2 * inter) if expert_bias else None
+        w2_bias = torch.empty(num_local, hidden_size) if expert_bias else None
+        self.register_buffer("w13_bias", w13_bias, persistent=False)  # [E_r, 2 * inter_r] (gate | up) or None
+        self.register_buffer("w2_bias", w2_bias, persistent=False)  # [E_r, hidden] or None
         if checkpoint_layout == "stacked_interleaved":
-            self.experts = _StackedExperts(w13, w2, w13_bias, w2_bias, w13_name, w2_name)
+            owns_down_bias = self.expert_parallel or tp.is_first_rank
+            loaders = _StackedLoaders(
+                self.expert_start, num_local, num_experts, inter_start, inter, intermediate_size, owns_down_bias,
+            )  # fmt: skip
+            self.experts = _StackedExperts(w13, w2, w13_bias, w2_bias, w13_name, w2_name, loaders)
         else:
             loaders = _SliceLoaders(inter_start, inter, intermediate_size)
             start = self.expert_start
@@ -372,21 +421,18 @@ class FusedMoE(nn.Module):
 
 
 def verify_moe_tp_config(hf_config: Any, tp_size: int, enable_expert_parallel: bool) -> None:
-    """Start-up check that an MoE model's experts split over ``tp_size`` ranks; ``ValueError`` naming the field
-    (``tensor_parallel_size`` for MoE families without tensor parallelism). Dense models pass untouched."""
+    """Start-up check that an MoE model's experts split over ``tp_size`` ranks; ``ValueError`` naming the field.
+    Dense models pass untouched. Shared experts (Qwen2-MoE's, DeepSeek's) split like a dense MLP, expert
+    parallelism or not."""
     if tp_size <= 1:
         return
     archs = getattr(hf_config, "architectures", None) or []
     arch = archs[0] if archs else None
-    if arch in MOE_NO_TP_ARCHITECTURES:
-        raise ValueError(f"{arch} does not support tensor_parallel_size > 1 yet")
-    if arch not in MOE_TP_ARCHITECTURES:
+    if arch not in MOE_TP_FIELDS:
         return
-    num_field = "num_local_experts" if arch == "MixtralForCausalLM" else "num_experts"
-    inter_field = "intermediate_size" if arch == "MixtralForCausalLM" else "moe_intermediate_size"
+    num_field, inter_field = MOE_TP_FIELDS[arch]
     if enable_expert_parallel:
-        num_experts = getattr(hf_config, num_field, None)
-        num_experts = int(num_experts if num_experts is not None else hf_config.num_local_experts)
+        num_experts = int(getattr(hf_config, num_field))
         if num_experts % tp_size:
             raise ValueError(
                 f"enable_expert_parallel: {num_field} ({num_experts}) must be divisible by "
@@ -397,3 +443,7 @@ def verify_moe_tp_config(hf_config: Any, tp_size: int, enable_expert_parallel: b
     shared = getattr(hf_config, "shared_expert_intermediate_size", None)
     if arch == "Qwen2MoeForCausalLM" and shared:
         divide(int(shared), tp_size, "shared_expert_intermediate_size")
+    num_shared = getattr(hf_config, "n_shared_experts", None)
+    if arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM") and num_shared:
+        width = int(num_shared) * int(hf_config.moe_intermediate_size)
+        divide(width, tp_size, "n_shared_experts * moe_intermediate_size")

@@ -29,13 +29,22 @@ pagedllm/layers/fused_moe.py) plus ``n_shared_experts`` always-on experts run as
 ``e_score_correction_bias`` for selection only ("noaux_tc"), groups by the sum of their best two, weights
 renormalised (``norm_topk_prob``) and scaled. See ``group_limited_topk`` / ``noaux_tc_topk``.
 
-Not supported yet: tensor parallelism, a quantized ``kv_b_proj``, an FP8 KV cache, and V3's multi-token-prediction
-layers (checkpoints that ship ``model.layers.{num_hidden_layers}.*`` fail the strict loader).
+Tensor parallelism (T ranks), as vLLM splits MLA: ``q_proj`` / ``q_b_proj`` and ``kv_b_proj`` column-parallel over
+the heads (rank r: heads ``[r * H / T, (r + 1) * H / T)``), ``o_proj`` row-parallel; ``q_a_proj`` and
+``kv_a_proj_with_mqa`` (and their norms) are replicated, since the latent and the rope key are per token, not per
+head: every rank caches all of them, and attends with its own heads (both MLA paths read ``num_heads`` and the
+per-head ``W_UK`` / ``W_UV`` from this rank's ``kv_b_proj``). The routed experts split as the other MoE families'
+(intermediate slices, or whole experts with ``enable_expert_parallel``); the shared experts and the dense layers
+as a dense TP MLP; the routed and shared partial sums share one all-reduce.
+
+Pipeline parallelism: ``MoEModel``'s stage layout; each layer picks dense or MoE by its global index.
+
+Not supported yet: a quantized ``kv_b_proj``, an FP8 KV cache, and V3's multi-token-prediction layers (checkpoints
+that ship ``model.layers.{num_hidden_layers}.*`` fail the strict loader).
 """
 
 from __future__ import annotations
 
-import functools
 from types import SimpleNamespace
 from typing import Any
 
@@ -45,14 +54,14 @@ from torch import nn
 
 from pagedllm.attention.base import AttentionBackend, AttentionMetadata
 from pagedllm.attention.mla import MLAAttention
-from pagedllm.distributed.parallel_state import TPGroup
-from pagedllm.layers.embedding import VocabEmbedding
+from pagedllm.distributed.parallel_state import TPGroup, divide
+from pagedllm.distributed.pipeline import is_missing
 from pagedllm.layers.fused_moe import FusedMoE, group_limited_topk, noaux_tc_topk
-from pagedllm.layers.linear import Linear
+from pagedllm.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import rope_config, yarn_factor, yarn_inv_freq, yarn_mscale
-from pagedllm.models.llama import LlamaForCausalLM, LlamaMLP, LlamaModel
-from pagedllm.models.mixtral import MoEDecoderLayer
+from pagedllm.models.llama import LlamaForCausalLM, LlamaMLP
+from pagedllm.models.mixtral import MoEModel, expert_parallel
 
 _LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: transformers builds them with the default eps
 
@@ -131,7 +140,10 @@ def deepseek_rope(config: Any, interleaved: bool) -> DeepseekRotaryEmbedding:
 
 
 class DeepseekV2Attention(nn.Module):
-    """MLA projections (checkpoint names as transformers'); the paged attention itself is ``self.attn``."""
+    """MLA projections (checkpoint names as transformers'); the paged attention itself is ``self.attn``.
+
+    Under tensor parallelism (``tp``) this rank runs ``num_heads`` = H / T heads: the per-head projections
+    (``q_proj`` or ``q_b_proj``, ``kv_b_proj``) column-parallel, ``o_proj`` row-parallel, the rest replicated."""
 
     def __init__(
         self,
@@ -139,10 +151,13 @@ class DeepseekV2Attention(nn.Module):
         layer_idx: int,
         attn_backend: AttentionBackend,
         rotary_emb: DeepseekRotaryEmbedding,
+        tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
+        tp = tp if tp is not None else TPGroup.single()
         hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
+        total_num_heads = config.num_attention_heads
+        self.num_heads = divide(total_num_heads, tp.size, "num_attention_heads")  # this rank's
         self.qk_nope_head_dim = config.qk_nope_head_dim
         self.qk_rope_head_dim = config.qk_rope_head_dim
         self.v_head_dim = config.v_head_dim
@@ -150,16 +165,20 @@ class DeepseekV2Attention(nn.Module):
         self.q_lora_rank = getattr(config, "q_lora_rank", None)
         bias = bool(getattr(config, "attention_bias", False))
         qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        # Per-head weights are [H * width, in] with head h's rows contiguous: a column-parallel split is a split
+        # over heads.
         if self.q_lora_rank is None:
-            self.q_proj = Linear(hidden, self.num_heads * qk_head_dim, bias=False)
+            self.q_proj = ColumnParallelLinear(hidden, total_num_heads * qk_head_dim, bias=False, tp=tp)
         else:
-            self.q_a_proj = Linear(hidden, self.q_lora_rank, bias=bias)
+            self.q_a_proj = Linear(hidden, self.q_lora_rank, bias=bias)  # replicated
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, _LORA_NORM_EPS)
-            self.q_b_proj = Linear(self.q_lora_rank, self.num_heads * qk_head_dim, bias=False)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, total_num_heads * qk_head_dim, tp=tp)
+        # replicated: the latent and the rope key are per token, every rank caches them whole
         self.kv_a_proj_with_mqa = Linear(hidden, self.kv_lora_rank + self.qk_rope_head_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, _LORA_NORM_EPS)
-        self.kv_b_proj = Linear(self.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim))
-        self.o_proj = Linear(self.num_heads * self.v_head_dim, hidden, bias=bias)
+        kv_b_width = total_num_heads * (self.qk_nope_head_dim + self.v_head_dim)
+        self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, kv_b_width, tp=tp)  # [H_r * (P + V), L]
+        self.o_proj = RowParallelLinear(total_num_heads * self.v_head_dim, hidden, bias=bias, tp=tp)
         self.rotary_emb = rotary_emb  # shared by all layers
         self.attn = MLAAttention(
             self.num_heads,
@@ -171,6 +190,11 @@ class DeepseekV2Attention(nn.Module):
             attn_backend,
             layer_idx,
         )
+
+    @staticmethod
+    def layer_sliding_window(config: Any, layer_idx: int) -> int | None:
+        """No layer attends over a window (what the model runner asks a pipeline stage's attention class)."""
+        return None
 
     def forward(
         self,
@@ -203,9 +227,12 @@ class DeepseekMoE(FusedMoE):
     ``gate.e_score_correction_bias``, float32 as in transformers) and the shared experts added to its output.
 
     Checkpoint names: ``mlp.gate.weight`` (+ ``mlp.gate.e_score_correction_bias``), ``mlp.experts.{e}.gate_proj/
-    up_proj/down_proj``, ``mlp.shared_experts.gate_proj/up_proj/down_proj``."""
+    up_proj/down_proj``, ``mlp.shared_experts.gate_proj/up_proj/down_proj``.
 
-    def __init__(self, config: Any, noaux_tc: bool) -> None:
+    Tensor parallelism: the router is replicated, the routed experts split as ``FusedMoE``'s, the shared experts as
+    a dense MLP whose unreduced partial output joins the routed one before the block's single all-reduce."""
+
+    def __init__(self, config: Any, noaux_tc: bool, tp: TPGroup | None = None) -> None:
         num_experts = config.n_routed_experts
         super().__init__(
             num_experts=num_experts,
@@ -216,6 +243,10 @@ class DeepseekMoE(FusedMoE):
             w13_name="gate_up_proj",
             w2_name="down_proj",
             hidden_act=config.hidden_act,
+            tp=tp,
+            expert_parallel=expert_parallel(config),
+            num_experts_field="n_routed_experts",
+            intermediate_size_field="moe_intermediate_size",
         )
         self.noaux_tc = noaux_tc
         self.routed_scaling_factor = float(getattr(config, "routed_scaling_factor", None) or 1.0)
@@ -245,7 +276,8 @@ class DeepseekMoE(FusedMoE):
                 hidden_act=config.hidden_act,
                 mlp_bias=bool(getattr(config, "mlp_bias", False)),
             )
-            self.shared_experts = LlamaMLP(shared)
+            self.shared_experts = LlamaMLP(shared, tp=tp)
+            self.shared_experts.down_proj.reduce_results = False  # summed with the routed part, reduced once
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [T, hidden] -> ([T, k], [T, k])
         logits = F.linear(x.float(), self.gate.weight.float())  # [T, E], float32 as transformers' router
@@ -263,8 +295,9 @@ class DeepseekMoE(FusedMoE):
             logits, self.top_k, self.num_groups, self.topk_group, self.routed_scaling_factor
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        out = super().forward(x)
+    def forward_partial(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        """This rank's part of the routed experts' output plus its part of the shared experts'."""
+        out = super().forward_partial(x)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
@@ -279,46 +312,43 @@ def is_moe_layer(config: Any, layer_idx: int) -> bool:
     )
 
 
-def deepseek_mlp(config: Any, layer_idx: int, noaux_tc: bool) -> tuple[str, nn.Module]:
-    if is_moe_layer(config, layer_idx):
-        return "mlp", DeepseekMoE(config, noaux_tc)
-    return "mlp", LlamaMLP(config)  # dense: intermediate_size, mlp_bias (V2)
+def deepseek_mlp(
+    config: Any, layer_idx: int, noaux_tc: bool, tp: TPGroup | None = None
+) -> tuple[str, nn.Module]:
+    if is_moe_layer(config, layer_idx):  # by the global layer index, whatever the pipeline stage
+        return "mlp", DeepseekMoE(config, noaux_tc, tp=tp)
+    return "mlp", LlamaMLP(config, tp=tp)  # dense: intermediate_size, mlp_bias (V2)
+
+
+def deepseek_v2_mlp(config: Any, layer_idx: int, tp: TPGroup | None = None) -> tuple[str, nn.Module]:
+    return deepseek_mlp(config, layer_idx, noaux_tc=False, tp=tp)
+
+
+def deepseek_v3_mlp(config: Any, layer_idx: int, tp: TPGroup | None = None) -> tuple[str, nn.Module]:
+    return deepseek_mlp(config, layer_idx, noaux_tc=True, tp=tp)
 
 
 # ---------------------------------------------------------------------------------------------- model
 
 
-class DeepseekV2Model(LlamaModel):
-    """Llama's body and forward (pre-norm layers with fused residual adds) with MLA attention and DeepSeek MLPs."""
+class DeepseekV2Model(MoEModel):
+    """``MoEModel`` (Llama's body and forward: pre-norm layers with fused residual adds, pipeline stages) with MLA
+    attention, DeepSeek's rotary embedding and DeepSeek MLPs."""
 
-    noaux_tc = False  # V3 routing
+    make_mlp = staticmethod(deepseek_v2_mlp)
+    supports_tp = True
 
     @staticmethod
     def rope_interleaved(config: Any) -> bool:
         return True  # V2 rotates adjacent pairs (complex multiplication in transformers)
 
-    def __init__(
-        self,
-        config: Any,
-        attn_backend: AttentionBackend,
-        attention_cls: type[DeepseekV2Attention],
-        tp: TPGroup | None = None,
-    ) -> None:
-        nn.Module.__init__(self)  # LlamaModel.__init__ would build Llama layers
-        if tp is not None and tp.size > 1:
-            raise ValueError(f"{type(self).__name__} does not support tensor_parallel_size > 1 yet")
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        rotary_emb = deepseek_rope(config, self.rope_interleaved(config))
-        make_mlp = functools.partial(deepseek_mlp, noaux_tc=self.noaux_tc)
-        self.layers = nn.ModuleList(
-            MoEDecoderLayer(config, i, attn_backend, rotary_emb, attention_cls, make_mlp)
-            for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+    @classmethod
+    def make_rotary(cls, config: Any) -> nn.Module:
+        return deepseek_rope(config, cls.rope_interleaved(config))
 
 
 class DeepseekV3Model(DeepseekV2Model):
-    noaux_tc = True
+    make_mlp = staticmethod(deepseek_v3_mlp)  # V3 routing ("noaux_tc")
 
     @staticmethod
     def rope_interleaved(config: Any) -> bool:
@@ -333,9 +363,14 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
 
     def kv_cache_shapes(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:
         """Each layer's paged cache for ``num_blocks`` blocks: ``[num_blocks, block_size, kv_lora_rank +
-        qk_rope_head_dim]`` (the latent and the rope key; see pagedllm/attention/mla.py). The model runner
-        allocates these instead of per-head K/V and sizes blocks from them."""
-        return [layer.self_attn.attn.kv_cache_shape(num_blocks, block_size) for layer in self.model.layers]
+        qk_rope_head_dim]`` (the latent and the rope key; see pagedllm/attention/mla.py), for this pipeline
+        stage's layers. The model runner allocates these instead of per-head K/V and sizes blocks from them; every
+        tensor-parallel rank holds the whole latent cache."""
+        return [
+            layer.self_attn.attn.kv_cache_shape(num_blocks, block_size)
+            for layer in self.model.layers
+            if not is_missing(layer)
+        ]
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

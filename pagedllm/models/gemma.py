@@ -11,9 +11,8 @@ import torch
 from torch import nn
 
 from pagedllm.attention.base import AttentionBackend, AttentionMetadata
-from pagedllm.distributed.parallel_state import TPGroup
+from pagedllm.distributed.parallel_state import PPGroup, TPGroup
 from pagedllm.layers.attention import Attention
-from pagedllm.layers.embedding import VocabEmbedding
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, get_rope, rope_config
 from pagedllm.models.llama import (
@@ -159,15 +158,14 @@ class Gemma2Model(GemmaModel):
         attn_backend: AttentionBackend,
         attention_cls: type[LlamaAttention],
         tp: TPGroup | None = None,
+        pp: PPGroup | None = None,
     ) -> None:
         nn.Module.__init__(self)  # LlamaModel's layers are Llama layers: build Gemma 2's here
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp=tp)
         rotaries = self.make_rotaries(config)
-        self.layers = nn.ModuleList(
-            self.decoder_layer_cls(config, i, attn_backend, rotaries[i], attention_cls, tp=tp)
-            for i in range(config.num_hidden_layers)
+        layer_cls = self.decoder_layer_cls
+        self.build_stage(
+            config, lambda i: layer_cls(config, i, attn_backend, rotaries[i], attention_cls, tp=tp), tp, pp
         )
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     @staticmethod
     def make_rotaries(config: Any) -> list[RotaryEmbedding]:

@@ -12,6 +12,10 @@ biases (``swiglu_alpha``, ``swiglu_limit``; see ``pagedllm.kernels.fused_moe``),
 with gate/up interleaved (``mlp.experts.gate_up_proj`` ``[E, hidden, 2 * inter]``, ``gate_up_proj_bias``,
 ``down_proj`` ``[E, inter, hidden]``, ``down_proj_bias``): ``FusedMoE``'s ``stacked_interleaved`` layout.
 
+Tensor parallelism: the attention splits its heads as Llama's, each rank keeping its query heads' sinks; the experts
+split as the other MoE families' (every expert's intermediate slice, or with ``enable_expert_parallel`` whole
+experts), their biases with them (``pagedllm.layers.fused_moe``); the router is replicated.
+
 Only unquantized checkpoints (what transformers' ``save_pretrained`` writes); the released MXFP4 weights are
 refused by the quantization check (``quant_method: mxfp4`` is not supported).
 """
@@ -27,10 +31,10 @@ from pagedllm.attention.base import AttentionBackend
 from pagedllm.distributed.parallel_state import TPGroup
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.fused_moe import FusedMoE
-from pagedllm.layers.linear import Linear
+from pagedllm.layers.linear import Linear, default_weight_loader
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.models.llama import LlamaAttention, LlamaForCausalLM, layer_types_sliding_window
-from pagedllm.models.mixtral import MoEModel
+from pagedllm.models.mixtral import MoEModel, expert_parallel
 
 # --- attention -------------------------------------------------------------------------------------------
 
@@ -42,7 +46,7 @@ def gpt_oss_layer_sliding_window(config: Any, layer_idx: int) -> int | None:
 
 class GptOssAttention(LlamaAttention):
     """Llama attention with biases on q/k/v/o, this layer's window from ``layer_types``, and ``sinks``
-    (``[num_heads]``, a checkpoint weight) passed to the backend."""
+    (``[num_heads]``, this rank's query heads' entries of the checkpoint weight) passed to the backend."""
 
     layer_sliding_window = staticmethod(gpt_oss_layer_sliding_window)
 
@@ -55,7 +59,8 @@ class GptOssAttention(LlamaAttention):
         tp: TPGroup | None = None,
     ) -> None:
         super().__init__(config, layer_idx, attn_backend, rotary_emb, tp=tp)
-        self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)  # [num_heads]
+        self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)  # [num_heads] (this rank's)
+        self.sinks.weight_loader = self.sinks_loader
         self.attn = Attention(
             self.num_heads,
             self.head_dim,
@@ -72,6 +77,15 @@ class GptOssAttention(LlamaAttention):
         bias = bool(getattr(config, "attention_bias", True))
         return bias, bias
 
+    def sinks_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
+        """Checkpoint ``[total_num_heads]`` -> this rank's query heads ``[num_heads]`` (rank r: heads
+        ``[r * H / T, (r + 1) * H / T)``, as ``qkv_proj`` splits them)."""
+        total = self.qkv_proj.total_num_heads
+        if tuple(loaded_weight.shape) != (total,):
+            raise ValueError(f"shape mismatch: parameter ({total},) vs checkpoint {tuple(loaded_weight.shape)}")
+        start = self.qkv_proj.tp.rank * self.num_heads
+        default_weight_loader(param, loaded_weight.narrow(0, start, self.num_heads))
+
 
 # --- MoE -------------------------------------------------------------------------------------------------
 
@@ -79,9 +93,9 @@ class GptOssAttention(LlamaAttention):
 class GptOssMoE(FusedMoE):
     """``FusedMoE`` with biased clamped-SwiGLU experts in the stacked checkpoint layout, and GPT-OSS routing:
     ``mlp.router`` (``[E, hidden]`` + bias) logits, top-k of them, softmax over those k (in the logits' dtype, as
-    transformers)."""
+    transformers). The router is replicated under tensor parallelism."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, tp: TPGroup | None = None) -> None:
         super().__init__(
             num_experts=config.num_local_experts,
             top_k=config.num_experts_per_tok,
@@ -95,6 +109,10 @@ class GptOssMoE(FusedMoE):
             checkpoint_layout="stacked_interleaved",
             swiglu_alpha=float(getattr(config, "swiglu_alpha", 1.702)),
             swiglu_limit=float(getattr(config, "swiglu_limit", 7.0)),
+            tp=tp,
+            expert_parallel=expert_parallel(config),
+            num_experts_field="num_local_experts",
+            intermediate_size_field="intermediate_size",
         )
         del self.gate  # the router is named and shaped differently here
         self.router = Linear(config.hidden_size, config.num_local_experts, bias=True)  # [E, hidden] + [E]
@@ -104,14 +122,15 @@ class GptOssMoE(FusedMoE):
         return torch.softmax(top_logits, dim=-1), ids
 
 
-def gpt_oss_mlp(config: Any, layer_idx: int) -> tuple[str, nn.Module]:
-    return "mlp", GptOssMoE(config)
+def gpt_oss_mlp(config: Any, layer_idx: int, tp: TPGroup | None = None) -> tuple[str, nn.Module]:
+    return "mlp", GptOssMoE(config, tp=tp)
 
 
 class GptOssModel(MoEModel):
     """``MoEModel`` with GPT-OSS's experts (its YaRN rotary comes from ``get_rope``)."""
 
     make_mlp = staticmethod(gpt_oss_mlp)
+    supports_tp = True
 
 
 class GptOssForCausalLM(LlamaForCausalLM):

@@ -9,6 +9,7 @@ final norm and LM head; the rest are ``PPMissingLayer`` (pagedllm/distributed/pi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -226,24 +227,40 @@ class LlamaModel(nn.Module):
         pp: PPGroup | None = None,
     ) -> None:
         super().__init__()
-        pp = PPGroup.single() if pp is None else pp
+        theta, rope_scaling = rope_config(config)
+        rotary_emb = get_rope(head_dim_of(config), config.max_position_embeddings, theta, rope_scaling)
         norm_cls = self.norm_cls
+        self.build_stage(
+            config,
+            lambda i: LlamaDecoderLayer(config, i, attn_backend, rotary_emb, attention_cls, norm_cls, tp=tp),
+            tp,
+            pp,
+        )
+
+    def build_stage(
+        self,
+        config: Any,
+        make_layer: Callable[[int], nn.Module],
+        tp: TPGroup | None,
+        pp: PPGroup | None,
+    ) -> None:
+        """Set ``embed_tokens``, ``layers`` and ``norm`` for this pipeline stage (the whole model when ``pp`` is
+        None): ``make_layer(i)`` builds the stage's decoder layers, ``PPMissingLayer`` stands for the others; the
+        first stage holds the embedding, the last the final norm (``norm_cls``) and, when tied, the embedding its
+        LM head reads."""
+        pp = PPGroup.single() if pp is None else pp
         self.start_layer, self.end_layer = pp.layer_range(config.num_hidden_layers)
         self.is_last_stage = pp.is_last
         tied = bool(getattr(config, "tie_word_embeddings", False))
-        # The last stage keeps a tied embedding as its LM head's weight.
         if pp.is_first or (pp.is_last and tied):
             self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp=tp)
         else:
             self.embed_tokens = PPMissingLayer()
-        theta, rope_scaling = rope_config(config)
-        rotary_emb = get_rope(head_dim_of(config), config.max_position_embeddings, theta, rope_scaling)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, attn_backend, rotary_emb, attention_cls, norm_cls, tp=tp)
-            if self.start_layer <= i < self.end_layer
-            else PPMissingLayer()
+            make_layer(i) if self.start_layer <= i < self.end_layer else PPMissingLayer()
             for i in range(config.num_hidden_layers)
         )
+        norm_cls = self.norm_cls
         self.norm = norm_cls(config.hidden_size, config.rms_norm_eps) if pp.is_last else PPMissingLayer()
 
     def forward(

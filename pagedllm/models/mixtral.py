@@ -7,6 +7,9 @@ layer with a per-layer choice of MLP module and attribute name.
 Tensor parallelism: the attention splits its heads as Llama's; the MoE block splits every expert's intermediate
 dim, or with ``enable_expert_parallel`` the experts themselves (``pagedllm.layers.fused_moe``), and all-reduces
 its output once. Families whose body sets ``supports_tp = False`` refuse ``tensor_parallel_size > 1``.
+
+Pipeline parallelism: as ``LlamaModel``, a stage builds only its layer range (the MLP of each chosen by its global
+layer index), the first stage the embedding, the last the final norm; the rest are ``PPMissingLayer``.
 """
 
 from __future__ import annotations
@@ -18,13 +21,11 @@ import torch
 from torch import nn
 
 from pagedllm.attention.base import AttentionBackend
-from pagedllm.distributed.parallel_state import TPGroup
-from pagedllm.layers.embedding import VocabEmbedding
+from pagedllm.distributed.parallel_state import PPGroup, TPGroup
 from pagedllm.layers.fused_moe import EXPERT_PARALLEL_ATTR, FusedMoE
 from pagedllm.layers.norm import RMSNorm
-from pagedllm.layers.rotary import RotaryEmbedding, get_rope, rope_config
+from pagedllm.layers.rotary import get_rope, rope_config
 from pagedllm.models.llama import (
-    LlamaAttention,
     LlamaDecoderLayer,
     LlamaForCausalLM,
     LlamaModel,
@@ -46,8 +47,8 @@ class MoEDecoderLayer(LlamaDecoderLayer):
         config: Any,
         layer_idx: int,
         attn_backend: AttentionBackend,
-        rotary_emb: RotaryEmbedding,
-        attention_cls: type[LlamaAttention],
+        rotary_emb: nn.Module,  # RotaryEmbedding, or the family's own (DeepSeek's)
+        attention_cls: type[nn.Module],  # a LlamaAttention, or the family's own (DeepSeek's MLA)
         make_mlp: MLPFactory,
         tp: TPGroup | None = None,
     ) -> None:
@@ -64,30 +65,38 @@ class MoEDecoderLayer(LlamaDecoderLayer):
 
 
 class MoEModel(LlamaModel):
-    """``LlamaModel`` (same forward) whose layers are ``MoEDecoderLayer`` built with ``make_mlp``."""
+    """``LlamaModel`` (same forward, same pipeline-stage layout) whose layers are ``MoEDecoderLayer`` built with
+    ``make_mlp`` around the attention ``make_rotary`` rotates."""
 
     make_mlp: MLPFactory
     supports_tp: bool = False  # True: make_mlp takes the TP group and builds TP-aware blocks
+
+    @staticmethod
+    def make_rotary(config: Any) -> nn.Module:
+        """The rotary embedding all layers share (a family with its own rope overrides this)."""
+        theta, rope_scaling = rope_config(config)
+        return get_rope(head_dim_of(config), config.max_position_embeddings, theta, rope_scaling)
 
     def __init__(
         self,
         config: Any,
         attn_backend: AttentionBackend,
-        attention_cls: type[LlamaAttention],
+        attention_cls: type[nn.Module],
         tp: TPGroup | None = None,
+        pp: PPGroup | None = None,
     ) -> None:
         nn.Module.__init__(self)  # LlamaModel.__init__ would build dense MLPs
         if tp is not None and tp.size > 1 and not self.supports_tp:
             raise ValueError(f"{type(self).__name__} does not support tensor_parallel_size > 1 yet")
         layer_tp = tp if self.supports_tp else None
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp=layer_tp)
-        theta, rope_scaling = rope_config(config)
-        rotary_emb = get_rope(head_dim_of(config), config.max_position_embeddings, theta, rope_scaling)
-        self.layers = nn.ModuleList(
-            MoEDecoderLayer(config, i, attn_backend, rotary_emb, attention_cls, type(self).make_mlp, layer_tp)
-            for i in range(config.num_hidden_layers)
+        rotary_emb = self.make_rotary(config)
+        make_mlp = type(self).make_mlp
+        self.build_stage(
+            config,
+            lambda i: MoEDecoderLayer(config, i, attn_backend, rotary_emb, attention_cls, make_mlp, layer_tp),
+            layer_tp,
+            pp,
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 def expert_parallel(config: Any) -> bool:

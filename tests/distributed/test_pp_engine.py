@@ -1,6 +1,7 @@
 """Pipeline parallelism on CPU (gloo): ``LLM(..., pipeline_parallel_size=2)`` splits the decoder layers over two
 stages (one worker process), each stage holding only its layers' weights and KV cache. Greedy output equals
-transformers' with chunked prefill, prefix hits, preemption, logprobs, prompt logprobs and a grammar bitmask that
+transformers' for every tiny architecture (the MoE families and DeepSeek: tests/distributed/test_tp_pp_families.py),
+and with chunked prefill, prefix hits, preemption, logprobs, prompt logprobs and a grammar bitmask that
 has to reach the last stage; PP=2 x TP=2 (four ranks) too; bad combinations fail at start-up."""
 
 from __future__ import annotations
@@ -15,10 +16,9 @@ import torch
 
 from pagedllm import LLM, SamplingParams, StructuredOutputsParams
 from pagedllm.distributed import PPGroup, pp_layer_partition
-from tests.utils import hf_greedy, hf_logprobs, make_tiny_model
+from tests.utils import TINY_ARCHS, hf_greedy, hf_logprobs, make_tiny_model
 
 MAX_NEW = 8
-PP_TINY_ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3", "gemma", "phi3"]  # tiny archs PP supports
 
 
 def pp_llm(path: str, pp: int = 2, **kw) -> LLM:
@@ -101,7 +101,7 @@ def _stage_logits(path: str, pp_size: int) -> tuple[torch.Tensor, list[set[str]]
     return model.compute_logits(out), names
 
 
-@pytest.mark.parametrize("arch", PP_TINY_ARCHS + ["llama3l"])
+@pytest.mark.parametrize("arch", [*TINY_ARCHS, "llama3l"])
 def test_stages_own_their_modules_and_chain_to_the_whole_model(tiny_model_dirs, llama3l, arch):
     path = llama3l if arch == "llama3l" else tiny_model_dirs[arch]
     whole, (all_names,) = _stage_logits(path, 1)
@@ -117,7 +117,7 @@ def test_stages_own_their_modules_and_chain_to_the_whole_model(tiny_model_dirs, 
     assert {layer(n) for n in last} - {None} == set(range(split, 3 if arch == "llama3l" else 2))
     assert "model.embed_tokens.weight" in first and "model.norm.weight" not in first
     assert "model.norm.weight" in last and not any(n.startswith("lm_head") for n in first)
-    tied = arch in ("llama3l", "gemma")
+    tied = arch in ("llama3l", "gemma", "gemma2", "gemma3")
     assert ("model.embed_tokens.weight" in last) == tied  # a tied head reads the embedding on the last stage
     assert first | last == all_names  # every weight on exactly the stages that need it
 
@@ -160,7 +160,6 @@ def test_pp_flag_reaches_the_engine_config(llama3l, monkeypatch):
     [
         ("llama", {"pipeline_parallel_size": 3}, r"pipeline_parallel_size \(3\) must not exceed"),
         ("llama", {"pipeline_parallel_size": 0}, "pipeline_parallel_size must be an integer >= 1"),
-        ("gemma2", {"pipeline_parallel_size": 2}, "pipeline_parallel_size > 1 is not supported for Gemma2"),
         (
             "llama",
             {
@@ -186,6 +185,17 @@ def test_bad_pipeline_configs_fail_at_startup(tiny_model_dirs, arch, kw, field):
         LLM(tiny_model_dirs[arch], device="cpu", **kw)
 
 
+def test_an_architecture_without_stages_is_refused_naming_the_field():
+    from types import SimpleNamespace
+
+    from pagedllm.distributed.parallel_state import verify_pp_config
+
+    config = SimpleNamespace(architectures=["FooForCausalLM"], num_hidden_layers=4)
+    with pytest.raises(ValueError, match="pipeline_parallel_size > 1 is not supported for FooForCausalLM"):
+        verify_pp_config(config, 2)
+    verify_pp_config(config, 1)  # one stage needs nothing from the model
+
+
 def test_bad_partition_env_fails_at_startup(tiny_llama, monkeypatch):
     monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "2,0")
     with pytest.raises(ValueError, match="VLLM_PP_LAYER_PARTITION"):
@@ -208,6 +218,20 @@ def test_pp2_qwen3_greedy_then_a_dead_worker_fails_the_next_step(tiny_model_dirs
         with pytest.raises(RuntimeError):
             greedy_ids(llm, [[5, 6, 7]])
         assert time.monotonic() - start < 10
+    finally:
+        shutdown(llm)
+
+
+@pytest.mark.parametrize("arch", [a for a in TINY_ARCHS if a != "qwen3"])  # (qwen3: the test above)
+def test_pp2_greedy_matches_transformers(tiny_model_dirs, arch):
+    """Every tiny architecture, with a prompt longer than the sliding windows of those that have one (Gemma 2/3's
+    hybrid layers included: a pipeline stage keeps every block of them)."""
+    path = tiny_model_dirs[arch]
+    llm = pp_llm(path)
+    try:
+        prompts = [[5, 6, 7, 8], list(range(30, 70)), [200, 3]]
+        assert greedy_ids(llm, prompts) == hf_greedy(path, prompts, MAX_NEW)
+        llm.llm_engine.engine_core.check_integrity()
     finally:
         shutdown(llm)
 

@@ -139,13 +139,17 @@ def make_tiny_deepseek(cls_name: str, path: Path, seed: int, shard: bool = False
     return str(path)
 
 
+def tiny_deepseek(variant: str, path: Path, seed: int) -> str:
+    """``make_tiny_deepseek`` for one of ``VARIANTS`` (other tests reuse them: tests/models/test_moe_tp.py,
+    tests/distributed/test_tp_pp_families.py)."""
+    cls_name, overrides = VARIANTS[variant]
+    return make_tiny_deepseek(cls_name, path, seed, **overrides)
+
+
 @pytest.fixture(scope="module")
 def deepseek_dirs(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("deepseek")
-    return {
-        name: make_tiny_deepseek(cls_name, root / name, seed=31 + i, **overrides)
-        for i, (name, (cls_name, overrides)) in enumerate(VARIANTS.items())
-    }
+    return {name: tiny_deepseek(name, root / name, seed=31 + i) for i, name in enumerate(VARIANTS)}
 
 
 def _prompts(vocab: int) -> list[list[int]]:
