@@ -21,7 +21,9 @@ from tests.distributed import workers
 from tests.distributed.launch import run_ranks
 from tests.utils import TINY_ARCHS, make_tiny_model
 
-ATOL = RTOL = 1e-5  # float32; only the order of the all-reduce's sums differs
+# float32; only the order of the all-reduce's sums differs. Gemma's logits (up to ~5, after an embedding scaled by
+# sqrt(hidden)) differ by up to 1.4e-5 with torch 2.13 + transformers 5.24's tiny weights.
+ATOL, RTOL = 3e-5, 1e-5
 VARIANTS = {  # name -> (arch, make_tiny_model options, vocab size to cut the checkpoint to or None)
     "llama-kv1": ("llama", {"num_key_value_heads": 1}, None),  # 1 KV head on both ranks
     "llama-kv1-bias-vocab399": (
