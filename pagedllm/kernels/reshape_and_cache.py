@@ -69,6 +69,7 @@ def reshape_and_cache(
     """Scatter ``key``/``value`` into ``kv_cache`` in place. One launch, grid ``(num_tokens,)``."""
     num_tokens, num_kv_heads, head_dim = key.shape
     assert value.shape == key.shape, f"value {tuple(value.shape)} != key {tuple(key.shape)}"
+    assert slot_mapping.stride(0) == 1, f"slot_mapping must be contiguous, stride {slot_mapping.stride()}"
     assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2, f"bad kv_cache shape {tuple(kv_cache.shape)}"
     assert kv_cache.shape[3] == num_kv_heads and kv_cache.shape[4] == head_dim, (
         f"kv_cache {tuple(kv_cache.shape)} does not match key {tuple(key.shape)}"

@@ -376,7 +376,11 @@ class ModelRunner:
         input_ids = batch.token_ids_np[token_rows, positions]  # [num_tokens] (placeholders hold 0)
         # One block table and slot mapping per KV cache group (a single group unless the model is hybrid).
         block_ids = batch.block_table_np[:, token_rows, positions // self.block_size]  # [groups, num_tokens]
-        slot_mapping = block_ids.astype(np.int64) * self.block_size + positions % self.block_size
+        # C order: the fancy index above may give a column-major array, and each group's row must be contiguous
+        # (the Triton cache write reads slot t at offset t).
+        slot_mapping = np.ascontiguousarray(
+            block_ids.astype(np.int64) * self.block_size + positions % self.block_size
+        )  # [groups, num_tokens]
         seq_lens = (num_computed + num_sched).astype(np.int32)  # [num_reqs]
         max_blocks = _cdiv(int(seq_lens.max()), self.block_size)
         block_table = batch.block_table_np[:, rows, :max_blocks]  # [groups, num_reqs, max_blocks]

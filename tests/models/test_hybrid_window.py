@@ -221,3 +221,22 @@ def test_cuda_graph_inputs_per_group(monkeypatch) -> None:
         assert view.block_table.shape == (bs, max_blocks) and view.block_table.stride(1) == 1
         assert view.slot_mapping.is_contiguous()
     assert torch.equal(runner.seq_lens[:bs], torch.tensor([5, 6, 7, 1], dtype=torch.int32))
+
+
+def test_every_groups_metadata_is_contiguous(hybrid_dirs, monkeypatch):
+    """Each group's slot mapping and block-table rows reach the backend contiguous: the Triton cache write reads
+    slot t at offset t (a column-major slot array once sent group 1 another group's slots, seen on the GPU)."""
+    from pagedllm.attention.torch_ref import TorchAttentionBackend
+
+    seen = []
+    forward = TorchAttentionBackend.forward
+
+    def checking(self, query, key, value, kv_cache, metadata, *args, **kw):
+        seen.append((metadata.slot_mapping.stride(0), metadata.block_table.stride(1)))
+        return forward(self, query, key, value, kv_cache, metadata, *args, **kw)
+
+    monkeypatch.setattr(TorchAttentionBackend, "forward", checking)
+    llm = make_llm(hybrid_dirs["gpt_oss-3"][0])
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 30, 17)]
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
+    assert seen and set(seen) == {(1, 1)}
