@@ -38,10 +38,13 @@ Per-layer options of ``AttentionBackend.forward`` (fixed when the model is built
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -63,6 +66,16 @@ class AttentionMetadata:
     _group_views: dict[int, AttentionMetadata] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
+    _derived: dict[Hashable, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def derived(self, key: Hashable, build: Callable[[], T]) -> T:
+        """``build()``, computed at the first call with ``key`` and returned as is by later ones: what every layer
+        would otherwise derive again from this step's fields (e.g. MLA's split of decodes from prefill chunks,
+        pagedllm/attention/mla.py). Valid because metadata is built once a step and not changed after; a view from
+        :meth:`for_kv_group` has its own."""
+        if key not in self._derived:
+            self._derived[key] = build()
+        return self._derived[key]
 
     def for_kv_group(self, group: int) -> AttentionMetadata:
         """This step's metadata with KV cache group ``group``'s block table and slot mapping (built once a step)."""

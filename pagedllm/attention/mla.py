@@ -24,17 +24,29 @@ Two equal ways to compute it, picked per request by its query length:
   (:mod:`pagedllm.kernels.mla_decode`: Triton on CUDA with the Triton backend, its PyTorch twin elsewhere).
 
 A pure-decode step (every request one token: the CUDA-graph case) reads no host-side lengths. Other steps split
-decodes from prefill chunks on the host (``query_start_loc_cpu`` / ``seq_lens_cpu``).
+decodes from prefill chunks on the host (``query_start_loc_cpu`` / ``seq_lens_cpu``), once a step
+(:func:`plan_mla_step`, kept on the metadata for the other layers). All prefill chunks of a step are computed
+together: one gather of every chunk's context rows (request after request), one ``kv_b_proj`` call on all their
+latents, then :mod:`pagedllm.kernels.mla_prefill` (one Triton launch on CUDA with the Triton backend; elsewhere its
+PyTorch twin, a padded SDPA call per group of similar lengths). :func:`mla_prefill_ref`, request by request, is
+the oracle they are tested against.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention.base import FP8_KV_DTYPE, AttentionBackend, AttentionMetadata
 from pagedllm.platform import use_fused_kernels
+
+if TYPE_CHECKING:
+    from pagedllm.kernels.mla_prefill import PaddedGroup
 
 
 def write_latent_cache(
@@ -104,6 +116,147 @@ def mla_prefill_ref(
             0
         ]  # [H, n, V]
         out[q_start:q_end] = o.transpose(0, 1).to(out.dtype)
+
+
+@dataclass
+class MLADecodes:
+    """A step's one-token requests (absorbed form) in a mixed step."""
+
+    tokens: torch.Tensor  # [D] int64, their query rows
+    block_table: torch.Tensor  # [D, max_blocks_per_req] int32, their rows of the block table
+    seq_lens: torch.Tensor  # [D] int32, on device
+    max_seq_len: int
+
+
+@dataclass
+class MLAPrefills:
+    """A step's requests with more than one query token (expanded form), laid out for :func:`mla_prefill`:
+    queries and context rows request after request."""
+
+    rows: slice | torch.Tensor  # their query rows among the step's: a slice when contiguous, else [Tq] int64
+    ctx_slots: torch.Tensor  # [N] int64, flat cache slots of each request's positions 0..S-1, in order
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32, cumulative query lengths
+    cu_seqlens_k: torch.Tensor  # [B + 1] int32, cumulative context lengths (N = cu_seqlens_k[-1])
+    query_lens: np.ndarray  # [B] int64, host
+    seq_lens: np.ndarray  # [B] int64, host
+    groups: list[PaddedGroup] | None = None  # the PyTorch path's (plan_padded_groups), built at first use
+
+
+@dataclass
+class MLAStepPlan:
+    """One step's split of its requests (:func:`plan_mla_step`)."""
+
+    decodes: MLADecodes | None  # None: no decode this step
+    prefills: list[MLAPrefills]  # consecutive batches of the prefill chunks (usually one); empty: none
+
+
+# The expanded form holds every context row of a batch of prefill chunks at once, up-projected ([N, H, P + V]:
+# about 9 KB a row for DeepSeek-V2-Lite's 16 heads in bf16, so 300 MB for this many rows). Chunks whose contexts
+# add up to more go in several batches (a single longer context makes a batch of its own, as the loop over requests
+# did), so the peak stays bounded however long the contexts behind a step's chunks are. (The memory profile runs
+# max_num_batched_tokens fresh tokens: that many rows.)
+MAX_PREFILL_CONTEXT_ROWS = 32768
+
+
+def plan_mla_step(
+    block_table: torch.Tensor,  # [num_reqs, max_blocks_per_req] int, on the cache's device
+    seq_lens: torch.Tensor,  # [num_reqs] int32, on the cache's device
+    seq_lens_cpu: torch.Tensor,  # [num_reqs] int, host: context length after this step
+    query_start_loc_cpu: torch.Tensor,  # [num_reqs + 1] int, host
+    block_size: int,
+    max_context_rows: int = MAX_PREFILL_CONTEXT_ROWS,
+) -> MLAStepPlan:
+    """Split a step's requests into decodes (query length 1) and prefill chunks (longer; length 0: neither) and
+    compute their index tensors: array ops on the host over requests, one small copy to the device per tensor,
+    the cache slots from the block table on its device (no read back). Prefill chunks go in batches of at most
+    ``max_context_rows`` context rows (see ``MAX_PREFILL_CONTEXT_ROWS``)."""
+    device = block_table.device
+    starts = query_start_loc_cpu.numpy().astype(np.int64)  # [num_reqs + 1]
+    lens = seq_lens_cpu.numpy().astype(np.int64)  # [num_reqs]
+    query_lens = np.diff(starts)  # [num_reqs]
+    too_long = np.flatnonzero(query_lens > lens)
+    if len(too_long):
+        r = int(too_long[0])
+        raise ValueError(f"request {r}: query_len {query_lens[r]} > seq_len {lens[r]}")
+
+    def to_device(a: np.ndarray) -> torch.Tensor:  # no wait for the device: the copy is staged at once
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)
+
+    decodes = None
+    dec = np.flatnonzero(query_lens == 1)  # [D]
+    if len(dec):
+        tokens, reqs = to_device(np.stack([starts[dec], dec]))  # [D] each
+        decodes = MLADecodes(
+            tokens, block_table.index_select(0, reqs), seq_lens.index_select(0, reqs), int(lens[dec].max())
+        )
+    batches: list[list[int]] = []  # the requests with a prefill chunk, in order, cut at the row cap
+    rows_in_batch = 0
+    for r in np.flatnonzero(query_lens > 1).tolist():  # over the step's prefill chunks (a few), not tokens
+        if not batches or rows_in_batch + lens[r] > max_context_rows:
+            batches.append([])
+            rows_in_batch = 0
+        batches[-1].append(r)
+        rows_in_batch += int(lens[r])
+    prefills = []
+    for batch in map(np.array, batches):
+        n, s = query_lens[batch], lens[batch]  # [B] each
+        cu_q = np.concatenate([[0], np.cumsum(n)])  # [B + 1]
+        cu_k = np.concatenate([[0], np.cumsum(s)])  # [B + 1]
+        first, end = int(starts[batch[0]]), int(starts[batch[-1] + 1])
+        if end - first == cu_q[-1]:  # no decode between them: one run of rows
+            rows: slice | torch.Tensor = slice(first, end)
+        else:  # row i of the chunks: its request's first row + its offset within the request
+            rows = to_device(np.arange(cu_q[-1]) - np.repeat(cu_q[:-1] - starts[batch], n))  # [Tq]
+        # context position pos of request r -> block_table[r, pos // block_size], offset pos % block_size
+        req_of, pos = to_device(np.stack([np.repeat(batch, s), np.arange(cu_k[-1]) - np.repeat(cu_k[:-1], s)]))
+        ctx_slots = block_table[req_of, pos // block_size].long() * block_size + pos % block_size  # [N]
+        cu = to_device(np.stack([cu_q, cu_k]).astype(np.int32))  # [2, B + 1]
+        prefills.append(MLAPrefills(rows, ctx_slots, cu[0], cu[1], n, s))
+    return MLAStepPlan(decodes, prefills)
+
+
+def mla_prefill(
+    q_nope: torch.Tensor,  # [T, H, P]
+    q_pe: torch.Tensor,  # [T, H, R]
+    kv_cache: torch.Tensor,  # [num_blocks, block_size, L + R], this step's rows already written
+    kv_b_proj: nn.Module,  # [..., L] -> [..., H * (P + V)]
+    plan: MLAPrefills,
+    scale: float,
+    out: torch.Tensor,  # [T, H, V]; the prefill rows are written
+    use_triton: bool,
+) -> None:
+    """The expanded form for all of a step's prefill chunks at once (same result as :func:`mla_prefill_ref`):
+    gather their context rows, up-project the latents in one ``kv_b_proj`` call, then
+    :func:`~pagedllm.kernels.mla_prefill.mla_prefill_attention` (``use_triton``: the Triton kernel; else its
+    PyTorch twin). Per-head keys are never concatenated: ``k_nope`` and ``v`` are views of the projection."""
+    num_heads, nope_dim = q_nope.shape[1], q_nope.shape[2]
+    kv_lora_rank = kv_cache.shape[-1] - q_pe.shape[-1]
+    rows = kv_cache.view(-1, kv_cache.shape[-1])  # [num_blocks * block_size, L + R]
+    latent = rows[:, :kv_lora_rank].index_select(0, plan.ctx_slots)  # [N, L], contiguous
+    k_pe = rows[:, kv_lora_rank:].index_select(0, plan.ctx_slots).to(q_nope.dtype)  # [N, R]
+    kv = kv_b_proj(latent).view(latent.shape[0], num_heads, -1)  # [N, H, P + V]
+    k_nope, v = kv[..., :nope_dim], kv[..., nope_dim:]  # [N, H, P], [N, H, V]
+    contiguous = isinstance(plan.rows, slice)
+    q_n = q_nope[plan.rows] if contiguous else q_nope.index_select(0, plan.rows)  # [Tq, H, P]
+    q_p = (q_pe[plan.rows] if contiguous else q_pe.index_select(0, plan.rows)).to(q_nope.dtype)  # [Tq, H, R]
+    o = out[plan.rows] if contiguous else None  # [Tq, H, V]: written in place when a view
+    if use_triton:
+        from pagedllm.kernels.mla_prefill import mla_prefill_attention
+
+        max_query_len = int(plan.query_lens.max())
+        o = mla_prefill_attention(
+            q_n, q_p, k_nope, k_pe, v, plan.cu_seqlens_q, plan.cu_seqlens_k, scale, max_query_len, out=o
+        )
+    else:
+        from pagedllm.kernels.mla_prefill import mla_prefill_attention_ref, plan_padded_groups
+
+        if plan.groups is None:
+            plan.groups = plan_padded_groups(plan.query_lens, plan.seq_lens, q_nope.device)
+        o = mla_prefill_attention_ref(
+            q_n, q_p, k_nope, k_pe, v, plan.cu_seqlens_q, plan.cu_seqlens_k, scale, out=o, groups=plan.groups
+        )
+    if not contiguous:
+        out.index_copy_(0, plan.rows, o.to(out.dtype))
 
 
 class MLAAttention(nn.Module):
@@ -205,28 +358,23 @@ class MLAAttention(nn.Module):
         out = torch.zeros(
             num_tokens, self.num_heads, self.v_head_dim, dtype=q_nope.dtype, device=q_nope.device
         )
-        query_start_loc = meta.query_start_loc_cpu.tolist()
-        seq_lens = meta.seq_lens_cpu.tolist()
-        query_lens = [query_start_loc[r + 1] - query_start_loc[r] for r in range(len(seq_lens))]
-        decodes = [r for r, n in enumerate(query_lens) if n == 1]
-        prefills = [r for r, n in enumerate(query_lens) if n > 1]
-        if decodes:
-            reqs = torch.tensor(decodes, device=q_nope.device)
-            tokens = torch.tensor([query_start_loc[r] for r in decodes], device=q_nope.device)
-            out[tokens] = self._decode(
-                q_nope[tokens],
-                q_pe[tokens],
-                kv_cache,
-                meta.block_table[reqs],
-                meta.seq_lens[reqs],
-                max(seq_lens[r] for r in decodes),
-                kv_b_proj,
-            )
-        if prefills:
-            mla_prefill_ref(
-                q_nope, q_pe, kv_cache, kv_b_proj, meta.block_table, seq_lens, query_start_loc, prefills, self.scale,
-                out,
+        block_size = kv_cache.shape[1]
+        plan = meta.derived(
+            ("mla", block_size),
+            lambda: plan_mla_step(
+                meta.block_table, meta.seq_lens, meta.seq_lens_cpu, meta.query_start_loc_cpu, block_size
+            ),
+        )
+        if plan.decodes is not None:
+            d = plan.decodes
+            o = self._decode(
+                q_nope.index_select(0, d.tokens), q_pe.index_select(0, d.tokens), kv_cache, d.block_table,
+                d.seq_lens, d.max_seq_len, kv_b_proj,
             )  # fmt: skip
+            out.index_copy_(0, d.tokens, o.to(out.dtype))
+        use_triton = self.attn_backend.name == "triton" and use_fused_kernels(q_nope)
+        for prefills in plan.prefills:
+            mla_prefill(q_nope, q_pe, kv_cache, kv_b_proj, prefills, self.scale, out, use_triton)
         return out
 
     def extra_repr(self) -> str:

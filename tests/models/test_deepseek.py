@@ -215,11 +215,12 @@ def check_engine_under_pressure(path: str, device: str, tol: float) -> LLM:
 def test_greedy_and_logprobs_match_transformers_under_pressure(
     deepseek_dirs, variant: str, monkeypatch
 ) -> None:
-    """On CPU, logprobs within 1e-4; prefill chunks took the expanded path and decodes the absorbed one."""
-    import pagedllm.attention.mla as mla
+    """On CPU, logprobs within 1e-4; prefill chunks took the expanded path (batched: the PyTorch twin of the Triton
+    kernel) and decodes the absorbed one."""
     import pagedllm.kernels.mla_decode as mla_decode
+    import pagedllm.kernels.mla_prefill as mla_prefill
 
-    expanded = _count_calls(monkeypatch, mla, "mla_prefill_ref")
+    expanded = _count_calls(monkeypatch, mla_prefill, "mla_prefill_attention_ref")
     absorbed = _count_calls(monkeypatch, mla_decode, "mla_decode_ref")
     check_engine_under_pressure(deepseek_dirs[variant], "cpu", 1e-4)
     assert expanded[0] > 0 and absorbed[0] > 0
@@ -229,16 +230,19 @@ def test_greedy_and_logprobs_match_transformers_under_pressure(
 @pytest.mark.parametrize("variant", ["v2-lite", "v3"])
 def test_gpu_triton_decode_matches_transformers(deepseek_dirs, variant: str, monkeypatch) -> None:
     """On CUDA (float32, the Triton backend) decodes run the Triton MLA kernel and the Triton MoE kernel, pure
-    decode steps as replays of CUDA graphs (MLA's absorbed decode and ``moe_align`` read nothing on the host);
-    tokens still equal transformers' (on CPU) and logprobs agree within 1e-3."""
+    decode steps as replays of CUDA graphs (MLA's absorbed decode and ``moe_align`` read nothing on the host),
+    prefill chunks the Triton MLA prefill kernel; tokens still equal transformers' (on CPU) and logprobs agree
+    within 1e-3."""
     import pagedllm.kernels.mla_decode as mla_decode
+    import pagedllm.kernels.mla_prefill as mla_prefill
     from pagedllm.worker import cuda_graphs
 
     triton_calls = _count_calls(monkeypatch, mla_decode, "mla_decode")
+    prefill_calls = _count_calls(monkeypatch, mla_prefill, "mla_prefill_attention")
     replays = _count_calls(monkeypatch, cuda_graphs.CudaGraphRunner, "run")
     llm = check_engine_under_pressure(deepseek_dirs[variant], "cuda", 1e-3)
     assert llm.llm_engine.engine_core.runner.graph_runner is not None
-    assert triton_calls[0] > 0
+    assert triton_calls[0] > 0 and prefill_calls[0] > 0
     assert replays[0] > 0, "no pure-decode step replayed a graph"
 
 
