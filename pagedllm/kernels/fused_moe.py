@@ -100,7 +100,9 @@ def moe_align(
     # assignment order[i] (the i-th in expert order) goes to row i - start[e] + padded_start[e] of its expert e
     # assignments to remote experts (id E, sorted last) land past the returned rows: offset max_blocks * block_m
     size = max_blocks * block_m
-    shift = torch.cat([padded_start - start, torch.full((1,), size, dtype=torch.int64, device=device)])  # [E + 1]
+    shift = torch.cat(
+        [padded_start - start, torch.full((1,), size, dtype=torch.int64, device=device)]
+    )  # [E + 1]
     dest = torch.arange(num_assign, device=device) + shift[expert_of_sorted]  # [A]
     rows = torch.full((size + num_assign,), num_assign, dtype=torch.int32, device=device)
     rows.scatter_(0, dest, order.to(torch.int32))
@@ -185,6 +187,7 @@ def _moe_gemm(
     scale: torch.Tensor | None,  # [A] float32
     block_m: int,
     bias: torch.Tensor | None = None,  # [E, N]
+    config: tuple[int, int, int, int] | None = None,  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
 ) -> torch.Tensor:  # [A, N]
     num_experts, n, k = w.shape
     assert a.dim() == 2 and a.shape[1] == k and a.stride(1) == 1, f"a {tuple(a.shape)} vs w {tuple(w.shape)}"
@@ -197,8 +200,14 @@ def _moe_gemm(
     assert sorted_ids.numel() == max_blocks * block_m and num_blocks.numel() == 1
     if max_blocks == 0:
         return c
-    block_n = max(16, min(64, triton.next_power_of_2(n)))
-    block_k = max(16, min(64, triton.next_power_of_2(k)))
+    if config is None:
+        config = (
+            max(16, min(64, triton.next_power_of_2(n))),
+            max(16, min(64, triton.next_power_of_2(k))),
+            4,
+            3,
+        )
+    block_n, block_k, num_warps, num_stages = config
     grid = (max_blocks, triton.cdiv(n, block_n))
     _moe_gemm_kernel[grid](
         a,
@@ -223,12 +232,31 @@ def _moe_gemm(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        num_warps=4,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return c
 
 
 MOE_ACTIVATIONS = ("silu", "swigluoai")
+
+MoETiles = tuple[int, tuple[int, int, int, int], tuple[int, int, int, int]]
+
+
+def moe_tile_config(num_assign: int, num_experts: int) -> MoETiles:
+    """``(BLOCK_M, w13's (BLOCK_N, BLOCK_K, num_warps, num_stages), w2's)`` for ``num_assign`` assignments over
+    ``num_experts`` experts, by the rows an expert gets on average. From a sweep on the H100 (benchmarks/moe_sweep.py,
+    Qwen3-30B-A3B and DeepSeek-V2-Lite shapes, docs/benchmarks.md): decode-sized batches want 16-row blocks and
+    long K tiles (≈10% over 64 x 64 tiles); prefill-sized ones 128-row blocks, which cut the GEMMs' time 2.6-2.8x
+    at 4096-8192 tokens. A function of the shapes alone, so CUDA graphs capture the same choice they replay."""
+    rows = num_assign / max(num_experts, 1)
+    if rows < 8:
+        return 16, (64, 128, 4, 3), (64, 128, 4, 3)
+    if rows < 32:
+        return 32, (128, 128, 4, 3), (128, 128, 4, 3)
+    if rows < 64:
+        return 64, (128, 64, 4, 3), (128, 64, 8, 3)
+    return 128, (128, 64, 4, 3), (128, 64, 8, 3)
 
 
 def fused_experts(
@@ -237,7 +265,7 @@ def fused_experts(
     w2: torch.Tensor,  # [E, hidden, inter]
     topk_weights: torch.Tensor,  # [T, top_k] float32
     topk_ids: torch.Tensor,  # [T, top_k] int
-    block_m: int = 16,
+    tiles: MoETiles | None = None,  # default: moe_tile_config's
     w13_bias: torch.Tensor | None = None,  # [E, 2 * inter]
     w2_bias: torch.Tensor | None = None,  # [E, hidden]
     activation: str = "silu",
@@ -261,15 +289,16 @@ def fused_experts(
         return torch.zeros_like(x)
     x = x.contiguous()
     num_assign = num_tokens * top_k
+    block_m, tiles13, tiles2 = tiles or moe_tile_config(num_assign, num_experts)
     sorted_ids, block_expert, num_blocks = moe_align(topk_ids, num_experts, block_m)
     layout = (sorted_ids, block_expert, num_blocks, num_assign)
-    h = _moe_gemm(x, w13, *layout, top_k, None, block_m, w13_bias)  # [A, 2 * inter]
+    h = _moe_gemm(x, w13, *layout, top_k, None, block_m, w13_bias, tiles13)  # [A, 2 * inter]
     if activation == "swigluoai":
         g = swiglu_oai(h, swiglu_alpha, swiglu_limit)  # [A, inter]
     else:
         g = _silu_and_mul(h)  # [A, inter]
     scale = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    y = _moe_gemm(g, w2, *layout, 1, scale, block_m, w2_bias)  # [A, hidden]
+    y = _moe_gemm(g, w2, *layout, 1, scale, block_m, w2_bias, tiles2)  # [A, hidden]
     if remote_experts:  # their rows were never written
         y = y.masked_fill((topk_ids.reshape(-1) >= num_experts)[:, None], 0.0)
     return y.view(num_tokens, top_k, hidden).sum(dim=1)

@@ -229,7 +229,7 @@ def test_routing_functions_do_not_sync(monkeypatch) -> None:
 
 
 def emulated_moe_gemm(
-    a, w, sorted_ids, block_expert, num_blocks, num_assign, a_div, scale, block_m, bias=None
+    a, w, sorted_ids, block_expert, num_blocks, num_assign, a_div, scale, block_m, bias=None, config=None
 ):
     """``_moe_gemm``'s contract in PyTorch ops (float32 tests): each row of the static layout computed in its
     block's expert, rows of padding or of blocks past ``num_blocks`` dropped. Sync-free, so fused_experts'
@@ -289,13 +289,18 @@ def test_ref_matches_dense_oracle(tokens: int) -> None:
     torch.testing.assert_close(out.double(), dense_oracle(x, w13, w2, weights, ids), atol=1e-5, rtol=1e-5)
 
 
-def check_kernel(tokens, num_experts, top_k, hidden, inter, dtype, device, block_m=16, seed=0):
+def small_tiles(block_m: int | None) -> tuple | None:
+    """``fused_experts``' tiles with rows blocks of ``block_m`` and 64 x 64 tiles (None: its own choice)."""
+    return None if block_m is None else (block_m, (64, 64, 4, 3), (64, 64, 4, 3))
+
+
+def check_kernel(tokens, num_experts, top_k, hidden, inter, dtype, device, block_m=None, seed=0):
     from pagedllm.kernels.fused_moe import fused_experts
 
     x, w13, w2, weights, ids = make_inputs(
         tokens, num_experts, top_k, hidden, inter, dtype, device, seed=seed, skip_expert=num_experts - 1
     )
-    out = fused_experts(x, w13, w2, weights, ids, block_m=block_m)
+    out = fused_experts(x, w13, w2, weights, ids, tiles=small_tiles(block_m))
     ref = fused_experts_ref(x, w13, w2, weights, ids)
     assert out.shape == ref.shape and out.dtype == dtype
     assert torch.isfinite(out).all()
@@ -335,7 +340,7 @@ def test_fused_experts_static_layout_interpret(tokens, num_experts, top_k, block
     w2 = torch.randn(num_experts, hidden, inter, generator=g) / inter**0.5
     ids = routed_ids(tokens, num_experts, top_k, seed=tokens, skew=0.5)
     weights = torch.rand(tokens, top_k, generator=g)
-    out = fused_experts(x, w13, w2, weights, ids, block_m=block_m)
+    out = fused_experts(x, w13, w2, weights, ids, tiles=small_tiles(block_m))
     torch.testing.assert_close(out, fused_experts_ref(x, w13, w2, weights, ids), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out.double(), dense_oracle(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-4)
 
@@ -377,7 +382,7 @@ def test_fused_experts_bf16_interpret() -> None:
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("tokens", [1, 5, 64, 1000])
+@pytest.mark.parametrize("tokens", [1, 5, 64, 200, 1000])  # E=8, top 2: each of moe_tile_config's 4 regimes
 def test_fused_experts_gpu(dtype, tokens) -> None:
     pytest.importorskip("triton")
     check_kernel(tokens, 8, 2, 256, 352, dtype, "cuda", seed=tokens)
@@ -486,21 +491,21 @@ def test_ref_bias_swigluoai_matches_dense_oracle() -> None:
     assert (silu - out).abs().max() > 0.1
 
 
-def check_kernel_oai(tokens, num_experts, top_k, hidden, inter, dtype, device, block_m=16, seed=0):
+def check_kernel_oai(tokens, num_experts, top_k, hidden, inter, dtype, device, block_m=None, seed=0):
     from pagedllm.kernels.fused_moe import fused_experts
 
     x, w13, w2, b13, b2, weights, ids = make_oai_inputs(
         tokens, num_experts, top_k, hidden, inter, dtype, device, seed=seed
     )
     kw = dict(w13_bias=b13, w2_bias=b2, activation="swigluoai", swiglu_alpha=1.702, swiglu_limit=7.0)
-    out = fused_experts(x, w13, w2, weights, ids, block_m=block_m, **kw)
+    out = fused_experts(x, w13, w2, weights, ids, tiles=small_tiles(block_m), **kw)
     ref = fused_experts_ref(x, w13, w2, weights, ids, **kw)
     assert out.shape == ref.shape and out.dtype == dtype and torch.isfinite(out).all()
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
     scale = ref.float().abs().max().item()  # outputs of tens: compare relative to their size
     torch.testing.assert_close(out.float(), ref.float(), atol=tol * 5 * scale, rtol=tol)
     # the biases alone, with SiLU-GLU
-    out = fused_experts(x, w13, w2, weights, ids, block_m=block_m, w13_bias=b13, w2_bias=b2)
+    out = fused_experts(x, w13, w2, weights, ids, tiles=small_tiles(block_m), w13_bias=b13, w2_bias=b2)
     ref = fused_experts_ref(x, w13, w2, weights, ids, w13_bias=b13, w2_bias=b2)
     scale = ref.float().abs().max().item()
     torch.testing.assert_close(out.float(), ref.float(), atol=tol * 5 * scale, rtol=tol)

@@ -198,7 +198,7 @@ def test_expert_parallel_remote_rows_are_zeroed_even_when_unwritten(monkeypatch)
     import pagedllm.kernels.fused_moe as fm
     from tests.kernels.test_triton_fused_moe import emulated_moe_gemm
 
-    def nan_gemm(a, w, sorted_ids, block_expert, num_blocks, num_assign, a_div, scale, block_m, bias=None):
+    def nan_gemm(a, w, sorted_ids, block_expert, num_blocks, num_assign, a_div, scale, block_m, bias=None, config=None):
         c = emulated_moe_gemm(a, w, sorted_ids, block_expert, num_blocks, num_assign, a_div, scale, block_m, bias)
         written = torch.zeros(num_assign + 1, dtype=torch.bool)
         written[sorted_ids.long()] = True
