@@ -1,8 +1,8 @@
 """Model directories with a real model's shape and no weights, for `--load-format dummy` benchmarks.
 
 ``python -m pagedllm.benchmarks.shapes OUT_DIR`` writes ``OUT_DIR/<name>`` for every entry of ``SHAPES``
-(llama-3.1-8b, llama-3.3-70b, qwen3-0.6b, qwen3-30b-a3b, gemma-3-12b, deepseek-v2-lite): the architecture's config.json and a small stand-in
-tokenizer (benchmarks send token ids and skip detokenizing).
+(llama-3.1-8b, llama-3.3-70b, qwen3-0.6b, qwen3-30b-a3b, qwen3-235b-a22b, gemma-3-12b, deepseek-v2-lite): the
+architecture's config.json and a small stand-in tokenizer (benchmarks send token ids and skip detokenizing).
 """
 
 from __future__ import annotations
@@ -94,6 +94,33 @@ SHAPES: dict[str, dict] = {
         "moe_intermediate_size": 768,
         "num_hidden_layers": 48,
         "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "torch_dtype": "bfloat16",
+    },
+    # Qwen3-235B-A22B (issue 16, 8 GPUs): 94 layers, 128 experts of 1536, 8 per token, 64 query / 4 KV heads of 128.
+    "qwen3-235b-a22b": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "moe_intermediate_size": 1536,
+        "num_hidden_layers": 94,
+        "num_attention_heads": 64,
         "num_key_value_heads": 4,
         "head_dim": 128,
         "num_experts": 128,

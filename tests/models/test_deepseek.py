@@ -395,7 +395,7 @@ def test_grouped_routing_functions() -> None:
 
 
 def test_shape_dirs_load_as_transformers_configs(tmp_path: Path) -> None:
-    """``python -m pagedllm.benchmarks.shapes`` entries for DeepSeek-V2-Lite and Qwen3-30B-A3B: transformers reads
+    """``python -m pagedllm.benchmarks.shapes`` entries for DeepSeek-V2-Lite, Qwen3-30B-A3B and Qwen3-235B-A22B: transformers reads
     them, our registry knows them, and V2-Lite's cache row is 512 + 64 values."""
     from transformers import AutoConfig
 
@@ -409,7 +409,12 @@ def test_shape_dirs_load_as_transformers_configs(tmp_path: Path) -> None:
     assert lite.rope_parameters["rope_type"] == "yarn" and lite.rope_parameters["factor"] == 40
     qwen = AutoConfig.from_pretrained(write_shape_dir("qwen3-30b-a3b", tmp_path / "qwen"))
     assert (qwen.num_experts, qwen.num_experts_per_tok, qwen.num_hidden_layers) == (128, 8, 48)
-    for cfg in (lite, qwen):
+    big = AutoConfig.from_pretrained(write_shape_dir("qwen3-235b-a22b", tmp_path / "qwen235"))  # issue 16's shape
+    assert (big.hidden_size, big.num_hidden_layers, big.num_attention_heads, big.num_key_value_heads) == (
+        4096, 94, 64, 4,
+    )  # fmt: skip
+    assert (big.num_experts, big.num_experts_per_tok, big.moe_intermediate_size) == (128, 8, 1536)
+    for cfg in (lite, qwen, big):
         assert get_model_class(cfg.architectures[0], import_module=False) is None  # known, not imported
 
 
