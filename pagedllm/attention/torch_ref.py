@@ -321,24 +321,11 @@ class TorchAttentionBackend:
     """The ``AttentionBackend`` in plain PyTorch: write this step's k/v, then ``paged_attention_ref``.
 
     What depends only on the step (the slots to write, the plan of which cache rows each request reads) is
-    computed at the first layer and reused by the others, per metadata object: ``AttentionMetadata`` is built
-    once a step (once a step per KV cache group in a hybrid model) and not changed after.
+    computed at the first layer and reused by the others (``AttentionMetadata.derived``: metadata is built once a
+    step, once per KV cache group in a hybrid model, and not changed after).
     """
 
     name = "torch"
-
-    def __init__(self) -> None:
-        # id(metadata) -> (metadata, what was derived from it). Holding the metadata keeps its id from being
-        # reused; a handful of entries covers one step's KV cache groups, so the dict is reset when it fills.
-        self._derived_by_step: dict[int, tuple[AttentionMetadata, dict]] = {}
-
-    def _derived(self, metadata: AttentionMetadata) -> dict:
-        entry = self._derived_by_step.get(id(metadata))
-        if entry is None:
-            if len(self._derived_by_step) >= 8:
-                self._derived_by_step.clear()
-            entry = self._derived_by_step[id(metadata)] = (metadata, {})
-        return entry[1]
 
     def forward(
         self,
@@ -354,20 +341,19 @@ class TorchAttentionBackend:
         v_scale: float = 1.0,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        derived = self._derived(metadata)
         num_tokens = key.shape[0]
-        write = derived.get(("write", num_tokens))
-        if write is None:
-            write = derived[("write", num_tokens)] = _valid_slots(metadata.slot_mapping, num_tokens)
+        write = metadata.derived(
+            ("write", num_tokens), lambda: _valid_slots(metadata.slot_mapping, num_tokens)
+        )
         _write_kv(key, value, kv_cache, *write, k_scale, v_scale)
         block_size, num_kv_heads = kv_cache.shape[2:4]
-        plan_key = ("plan", block_size, num_kv_heads, sliding_window)
-        plan = derived.get(plan_key)
-        if plan is None:
-            plan = derived[plan_key] = _plan_step(
+        plan = metadata.derived(
+            ("plan", block_size, num_kv_heads, sliding_window),
+            lambda: _plan_step(
                 metadata.block_table, metadata.seq_lens_cpu, metadata.query_start_loc_cpu,
                 block_size, num_kv_heads, sliding_window,
-            )  # fmt: skip
+            ),
+        )  # fmt: skip
         return _paged_attention(
             query, kv_cache[0], kv_cache[1], plan, scale, logits_soft_cap, k_scale, v_scale, sinks
         )  # fmt: skip
