@@ -6,11 +6,7 @@
 #   bash benchmarks/gpu_issue13.sh [latency] [throughput]        (MODELS="qwen3-30b-a3b deepseek-v2-lite")
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
-out="${OUT:-.out}"; mkdir -p "$out"
-ARGS=("$@")
-want() { [ ${#ARGS[@]} -eq 0 ] && return 0; for a in "${ARGS[@]}"; do [ "$a" = "$1" ] && return 0; done; return 1; }
-py=python3
+source benchmarks/lib.sh "$@"
 models="${MODELS:-qwen3-30b-a3b deepseek-v2-lite}"
 $py -m pagedllm.benchmarks.shapes "$out/models" >/dev/null
 $py - "$out/models" $models <<'PYEOF'

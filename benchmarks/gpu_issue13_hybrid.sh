@@ -11,11 +11,7 @@
 # With no arguments it runs everything. Logs go to $OUT (or .out/) as bench_*.log and *.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
-out="${OUT:-.out}"; mkdir -p "$out"
-ARGS=("$@")
-want() { [ ${#ARGS[@]} -eq 0 ] && return 0; for a in "${ARGS[@]}"; do [ "$a" = "$1" ] && return 0; done; return 1; }
-py=python3
+source benchmarks/lib.sh "$@"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 $py -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 if want check; then

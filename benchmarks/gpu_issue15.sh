@@ -6,11 +6,7 @@
 #   bash benchmarks/gpu_issue15.sh [tests] [throughput]      (NUM_PROMPTS, default 1000)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
-out="${OUT:-.out}"; mkdir -p "$out"
-ARGS=("$@")
-want() { [ ${#ARGS[@]} -eq 0 ] && return 0; for a in "${ARGS[@]}"; do [ "$a" = "$1" ] && return 0; done; return 1; }
-py=python3
+source benchmarks/lib.sh "$@"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 $py -m pagedllm.benchmarks.shapes "$out/models" >/dev/null
 L="$out/models/llama-3.1-8b"

@@ -9,12 +9,8 @@
 # With no arguments it runs everything the GPUs allow. Logs go to $OUT (or .out/) as bench_*.log and *.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
+source benchmarks/lib.sh "$@"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # KINDS.md: keep multicast off
-out="${OUT:-.out}"; mkdir -p "$out"
-ARGS=("$@")
-want() { [ ${#ARGS[@]} -eq 0 ] && return 0; for a in "${ARGS[@]}"; do [ "$a" = "$1" ] && return 0; done; return 1; }
-py=python3
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
 gpus=$($py -c "import torch; print(torch.cuda.device_count())")
 echo "gpus: $gpus"
