@@ -597,8 +597,9 @@ def make_engine_config(
                 f"speculative_config.method {spec.method!r} with tensor_parallel_size > 1 is not supported yet "
                 "(use method 'ngram' or a draft model: speculative_config.model)"
             )
-    if parallel_config.world_size > 1:
-        # The workers need step N's sampled tokens before step N+1 (see pagedllm/distributed/executor.py).
+    if parallel_config.pipeline_parallel_size > 1:
+        # The stages exchange step N's sampled tokens on the host before step N+1 (pagedllm/distributed/executor.py;
+        # under TP alone rank 0 broadcasts them on the device instead, so scheduling stays asynchronous).
         scheduler_config.async_scheduling = False
     if spec is not None:
         spec.check_target(model_config)

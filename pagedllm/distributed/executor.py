@@ -18,7 +18,17 @@ along with the next ``launch`` so the workers' persistent batches stay identical
     rank 0:   launch(step N) ─ sample ─ collect ──► broadcast(("launch", sched N+1, tokens of N)) ─ launch(N+1) ...
     rank r:                     recv ◄──────────────┘  append tokens of N, launch(N+1) (no sampling)
 
-Scheduling is synchronous under TP (the workers need step N's tokens before step N+1). Pure-decode steps replay
+With async scheduling (TP alone; the default on CUDA) rank 0 launches step N+1 before it has read step N's tokens
+on the host, so they cannot ride in the message. Rank 0 sends the message for N+1 with the number of tokens step
+N sampled, then broadcasts the sampled ids tensor itself over the TP group (NCCL: on the device, queued after the
+sampling, no host wait). Each worker receives them into its last step (``ModelRunner.receive_sampled``) and feeds
+them to step N+1 on the device, as rank 0 does with its own. It marks the placeholders ``sample`` would
+(``skip_sample``), and writes the tokens into its host batch (``collect``) once N+1 is queued::
+
+    rank 0:   launch(N+1): msg(sched N+1, count of N) ─ bcast(sampled N) ─ forward(N+1) ─ collect(N) ─ sample(N+1)
+    rank r:   recv msg ─ bcast(sampled N) into step N ─ forward(N+1), fed sampled N on the device ─ collect(N)
+
+Pipeline parallelism keeps synchronous scheduling. Pure-decode steps replay
 CUDA graphs on every rank (captured with the NCCL all-reduces inside; see ``maybe_capture_cuda_graphs``). A worker that dies makes
 rank 0's next collective fail, which ends the engine core (the server then answers 503).
 
@@ -137,6 +147,7 @@ def _worker_main(
     tp, pp, control, link = _join(config, rank, init_method, dev)
     runner = ModelRunner(_rank_config(config, dev), tp=tp, pp=pp)
     samples = link is not None and rank == _sampler_rank(config)  # this rank samples for rank 0
+    last = None  # async scheduling: the last launched step, whose tokens rank 0 sends with the next message
     try:
         while True:
             msg = [None]
@@ -145,13 +156,20 @@ def _worker_main(
             if method == "stop":
                 break
             if method == "launch":
-                sched, sampled, lora_slots = args
+                sched, sampled, lora_slots, num_sent = args
                 _check_lora_slots(runner, rank, lora_slots)
-                if not samples:
+                if num_sent:
+                    _receive_sampled(runner, last, num_sent, tp)
+                elif not samples:
                     runner.apply_sampled(sampled)
                 step = runner.launch(sched)
                 if samples:
                     _sample_for_rank0(runner, step, link, rank)
+                elif config.scheduler_config.async_scheduling:
+                    runner.skip_sample(step)
+                    if last is not None:
+                        runner.collect(last)  # its tokens into the host batch (the step launched above runs on)
+                    last = step
             elif method in ("add_lora", "remove_lora"):
                 error = None
                 try:
@@ -160,6 +178,9 @@ def _worker_main(
                     error = f"{type(e).__name__}: {e}"
                 dist.gather_object(error, None, dst=0, group=control)
             elif method == "batch_tokens":
+                if args[1]:
+                    _receive_sampled(runner, last, args[1], tp)
+                    runner.collect(last)
                 pending = None if samples else args[0]  # the sampler already holds its own tokens
                 dist.gather_object(_batch_tokens(runner, pending), None, dst=0, group=control)
             elif method == "determine_num_blocks":
@@ -172,6 +193,20 @@ def _worker_main(
             runner.graph_runner = None
             torch.cuda.synchronize(runner.device)
         dist.destroy_process_group()
+
+
+def _count(tokens: torch.Tensor | None) -> int:
+    return 0 if tokens is None else int(tokens.shape[0])
+
+
+def _receive_sampled(runner: Any, step: Any, num_sampled: int, tp: Any) -> None:
+    """Async scheduling under TP: receive the ``num_sampled`` tokens rank 0 sampled for ``step`` (this worker's
+    last launch) by a device broadcast over the TP group, which the next launch feeds on the device."""
+    if step is None or step.sample_rows is None or len(step.sample_rows) != num_sampled:
+        raise RuntimeError(f"rank 0 sends {num_sampled} sampled tokens for a step this rank did not launch alike")
+    tokens = torch.empty(num_sampled, dtype=torch.long, device=runner.device)
+    dist.broadcast(tokens, src=0, group=tp.group)
+    runner.receive_sampled(step, tokens)
 
 
 def _sample_for_rank0(runner: Any, step: Any, link: Any, rank: int) -> None:
@@ -323,6 +358,11 @@ class MultiprocRunner:
                 dist.destroy_process_group()
             raise
         self._sampled: dict[str, list[int]] = {}  # rank 0's last collected tokens, for the workers
+        # Async scheduling (TP alone): the workers get each step's sampled tokens on the device instead, broadcast
+        # over the TP group right after the next message; ``_to_send`` holds them until then.
+        self._tp = tp
+        self._async = config.scheduler_config.async_scheduling and pp.size == 1
+        self._to_send: torch.Tensor | None = None
         self._stopped = False
         self._size = size
         # Pipeline parallelism: the sampler's rank, and the launched step still owed its bitmask / output exchange.
@@ -364,7 +404,10 @@ class MultiprocRunner:
         tokens (accepted drafts plus one) and none of the rejected drafts."""
         if self._uncollected is not None:
             self.collect(self._uncollected)
-        self._broadcast("batch_tokens", self._sampled)
+        to_send = self._take_to_send()
+        self._broadcast("batch_tokens", self._sampled, _count(to_send))
+        if to_send is not None:
+            dist.broadcast(to_send, src=0, group=self._tp.group)
         states: list[Any] = [None] * self._size
         mine = _batch_tokens(self.runner, self._sampled if self._link is not None else None)
         dist.gather_object(mine, states, dst=0, group=self._control)
@@ -405,7 +448,12 @@ class MultiprocRunner:
         if self._uncollected is not None:  # the engine always collects; never leave the sampler waiting
             self.collect(self._uncollected)
         lora = self.runner.lora_manager
-        self._broadcast("launch", sched, self._sampled, None if lora is None else lora.slot_table())
+        to_send = self._take_to_send()
+        self._broadcast(
+            "launch", sched, self._sampled, None if lora is None else lora.slot_table(), _count(to_send)
+        )
+        if to_send is not None:
+            dist.broadcast(to_send, src=0, group=self._tp.group)
         if self._link is not None:  # the sampler is another rank: append its tokens here too
             self.runner.apply_sampled(self._sampled)
         self._sampled = {}
@@ -414,10 +462,16 @@ class MultiprocRunner:
             self._unsampled = self._uncollected = step
         return step
 
+    def _take_to_send(self) -> torch.Tensor | None:
+        to_send, self._to_send = self._to_send, None
+        return to_send
+
     def sample(self, step: Any, grammar_bitmask: Any = None) -> None:
         """Sample ``step``; under pipeline parallelism the sampler does, once it has the bitmask sent here."""
         if self._link is None:
             self.runner.sample(step, grammar_bitmask)
+            if self._async and step.sampled is not None and step.sampled.numel():
+                self._to_send = step.sampled.contiguous()
         elif step is self._unsampled:
             self._unsampled = None
             dist.broadcast_object_list([grammar_bitmask], src=0, group=self._link)
@@ -433,9 +487,10 @@ class MultiprocRunner:
             self._uncollected = None
         else:
             return self.runner.collect(step)  # collected before: the same output
-        for req_id, tokens in out.sampled_token_ids.items():
-            if tokens:
-                self._sampled[req_id] = list(tokens)
+        if not self._async:
+            for req_id, tokens in out.sampled_token_ids.items():
+                if tokens:
+                    self._sampled[req_id] = list(tokens)
         return out
 
     def shutdown(self) -> None:

@@ -504,7 +504,6 @@ class ModelRunner:
         if step.spec_num_draft is not None:
             self._sample_spec(step, grammar_bitmask)
             return
-        batch = self.input_batch
         dev = self.device
         s_rows = step.sample_rows
         meta = self._sampling_metadata(s_rows)
@@ -512,8 +511,13 @@ class ModelRunner:
             meta.grammar_bitmask = grammar_bitmask.to(dev, non_blocking=True)
         sampled = self.sampler(step.logits, meta)
         step.logits = None
+        self._mark_placeholders(step)
+        self._hold_sampled(step, sampled.sampled_token_ids, sampled.logprobs)
 
-        # The sampled tokens become placeholders at the end of their rows until ``collect`` reads them.
+    def _mark_placeholders(self, step: StepInFlight) -> None:
+        """The step's sampled tokens become placeholders at the end of their rows until ``collect`` reads them."""
+        batch = self.input_batch
+        s_rows = step.sample_rows
         step.sample_pos = batch.num_tokens_np[s_rows].copy()
         step.sample_gen = batch.row_gen[s_rows].copy()
         step.sample_num_logprobs = batch.num_logprobs_np[s_rows].copy()
@@ -521,17 +525,38 @@ class ModelRunner:
         batch.num_tokens_np[s_rows] += 1
         batch.pending_idx[s_rows] = np.arange(len(s_rows))
         batch.pending_step[s_rows] = step.step_id
-        step.sampled = sampled.sampled_token_ids
-        step.logprobs = sampled.logprobs
-        if dev.type == "cuda":
-            step.sampled_host = torch.empty(len(s_rows), dtype=torch.long, pin_memory=True)
-            step.sampled_host.copy_(step.sampled, non_blocking=True)
+
+    def _hold_sampled(
+        self, step: StepInFlight, sampled: torch.Tensor, logprobs: LogprobsTensors | None = None
+    ) -> None:
+        """Keep ``sampled`` ([num_sampled] int64 on the device) for the next launch and start its copy to the
+        host, which ``collect`` waits for."""
+        step.sampled = sampled
+        step.logprobs = logprobs
+        if self.device.type == "cuda":
+            step.sampled_host = torch.empty(sampled.shape[0], dtype=torch.long, pin_memory=True)
+            step.sampled_host.copy_(sampled, non_blocking=True)
             if step.logprobs is not None:
                 step.logprobs = step.logprobs.to_host_async()
             step.event = torch.cuda.Event()
             step.event.record()
         else:
-            step.sampled_host = step.sampled
+            step.sampled_host = sampled
+
+    def skip_sample(self, step: StepInFlight) -> int:
+        """A tensor-parallel worker's ``sample`` under async scheduling (rank 0 samples): drop the logits and mark
+        the placeholders ``sample`` would. Returns how many tokens rank 0 samples for this step; they arrive
+        through ``receive_sampled`` before the next launch (pagedllm/distributed/executor.py)."""
+        if step.logits is None:
+            return 0
+        step.logits = None
+        self._mark_placeholders(step)
+        return len(step.sample_rows)
+
+    def receive_sampled(self, step: StepInFlight, sampled: torch.Tensor) -> None:
+        """The tokens rank 0 sampled for ``step`` ([num_sampled] int64, on this rank's device): the next launch
+        feeds them on the device, ``collect`` writes them into the batch."""
+        self._hold_sampled(step, sampled)
 
     def _sample_spec(self, step: StepInFlight, grammar_bitmask: torch.Tensor | None) -> None:
         """Verify the drafts of ``step`` (rejection_sample) and sample the requests without drafts.

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, SamplingParams, StructuredOutputsParams
 from tests.utils import TINY_ARCHS, hf_greedy, hf_logprobs
 
 MAX_NEW = 8
@@ -189,3 +189,88 @@ def test_async_engine_with_tp_and_a_dead_worker(tiny_llama):
             engine.shutdown()
 
     asyncio.run(run())
+
+
+# --- async scheduling (last: the module's engine lives until the module ends, and a process holds one
+# multi-rank engine at a time) ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def async_tp(tiny_llama):
+    """TP=2 with async scheduling (the default on CUDA): rank 0 broadcasts each step's sampled tokens on the device
+    over the TP group; a small pool and token budget give chunks, prefix hits and preemption."""
+    llm = tp_llm(
+        tiny_llama,
+        async_scheduling=True,
+        max_num_batched_tokens=8,
+        num_gpu_blocks_override=20,
+        max_model_len=64,
+    )
+    assert llm.llm_engine.config.scheduler_config.async_scheduling
+    yield llm
+    shutdown(llm)
+
+
+def test_tp2_async_scheduling_chunks_prefix_hits_preemption_and_logprobs(async_tp, tiny_llama):
+    shared = list(range(40, 76))
+    prompts = [shared + [5, 6, 7], list(range(100, 141)), shared + [9], [3, 4]]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=2)
+    outs = async_tp.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_llama, prompts, MAX_NEW)
+    for prompt, out in zip(prompts, outs):
+        comp = out.outputs[0]
+        ref = hf_logprobs(tiny_llama, prompt + comp.token_ids[:-1])
+        for j, (tok, lps) in enumerate(zip(comp.token_ids, comp.logprobs)):
+            assert abs(lps[tok].logprob - ref[len(prompt) - 1 + j][tok].item()) < 1e-4
+    stats = async_tp.llm_engine.get_stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    core = async_tp.llm_engine.engine_core
+    core.runner.check_batches()  # every rank's batch holds rank 0's tokens, none left as a placeholder
+    core.check_integrity()
+    assert core.kv_cache_manager.num_free_blocks == core.kv_cache_manager.pool.num_blocks
+
+
+def test_tp2_async_scheduling_stops_aborts_seeds_and_grammars(async_tp, tiny_llama):
+    """Requests that end at different steps (max_tokens, a stop token) emit nothing after their end while the
+    others go on; an abort mid-run frees its blocks; a seed repeats; a grammar's bitmask (filled while the step's
+    forward runs) constrains rank 0's sampling."""
+    engine = async_tp.llm_engine
+    prompts = [[5, 6, 7, 8], list(range(30, 52)), [200, 3, 9]]
+    ref = hf_greedy(tiny_llama, prompts, 12)
+    stop_at = ref[1][4]  # request 1 stops at the first time this token comes (step <= 5)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop_at]),
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+    ]
+    outs = async_tp.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    got = [o.outputs[0].token_ids for o in outs]
+    assert got[0] == ref[0][:3] and got[2] == ref[2]
+    assert got[1] == ref[1][: ref[1].index(stop_at) + 1] and outs[1].outputs[0].finish_reason == "stop"
+    # an abort while it runs
+    engine.add_request(
+        "gone", {"prompt_token_ids": [7, 8, 9]}, SamplingParams(max_tokens=50, ignore_eos=True)
+    )
+    engine.add_request("kept", {"prompt_token_ids": [9, 8]}, SamplingParams(temperature=0.0, max_tokens=6))
+    done = {}
+    for i in range(40):
+        if i == 3:
+            engine.abort_request("gone")
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        if "kept" in done and not engine.has_unfinished_requests():
+            break
+    assert "kept" in done and len(done["kept"].outputs[0].token_ids) <= 6
+    seeded = SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=6, ignore_eos=True)
+    first = async_tp.generate("hello hello", seeded, use_tqdm=False)[0].outputs
+    again = async_tp.generate("hello hello", seeded, use_tqdm=False)[0].outputs
+    assert [c.token_ids for c in first] == [c.token_ids for c in again] and len(first) == 2
+    choices = ["yes", "no", "maybe so"]
+    params = SamplingParams(
+        temperature=0.0, max_tokens=12, structured_outputs=StructuredOutputsParams(choice=choices)
+    )
+    outs = async_tp.generate(["Answer:", "Well"], params, use_tqdm=False)
+    assert all(o.outputs[0].text in choices for o in outs)
+    core = engine.engine_core
+    core.runner.check_batches()
+    core.check_integrity()
+    assert core.kv_cache_manager.num_free_blocks == core.kv_cache_manager.pool.num_blocks
