@@ -457,7 +457,6 @@ def _check_pipeline_parallel(
     for what, used in (
         ("speculative_config", spec is not None),
         ("enable_lora", lora_config is not None),
-        ("quantization", model_config.quant_config is not None),
         ("data_parallel_size > 1", parallel_config.data_parallel_size > 1),
     ):
         if used:

@@ -81,8 +81,6 @@ def get_model(
         tp_kwargs["tp"] = tp
     if pp is not None and pp.size > 1:
         verify_pp_config(hf_config, pp.size, pp.partition)
-        if quant_config is not None:
-            raise ValueError("quantized models do not support pipeline_parallel_size > 1 yet")
         tp_kwargs["pp"] = pp
     with _default_dtype(model_config.dtype), torch.device(device):
         if quant_config is None:

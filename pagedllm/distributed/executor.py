@@ -42,8 +42,8 @@ appends the sampled tokens that ride along with the next ``launch``::
                        sample(N):  bitmask ───────────── link ─────► sample, collect
                        collect(N): ModelRunnerOutput ◄── link ────── (tokens go out with launch N+1)
 
-Synchronous scheduling, as under TP, and eager steps. Speculative decoding, LoRA and quantized models are refused
-with pipeline_parallel_size > 1 (pagedllm/config.py).
+Synchronous scheduling and eager steps. Speculative decoding and LoRA are refused with pipeline_parallel_size > 1
+(pagedllm/config.py); quantized checkpoints load stage by stage like any other.
 
 Speculative decoding under TP (n-gram and draft-model proposers; EAGLE is refused in pagedllm/config.py): the
 proposer runs in the engine core only (a draft model whole, unsharded, on rank 0, its KV cache keyed by the

@@ -2,7 +2,8 @@
 layer (dequantized, it equals the matching rows / columns of the one-process layer), and ``LLM(...,
 tensor_parallel_size=2)`` decodes the same greedy tokens as the one-process quantized model, for GPTQ (with and
 without act-order), AWQ, FP8 checkpoints (per-tensor and per-channel scales) and online FP8. Sizes that cannot
-be split fail at start-up naming ``tensor_parallel_size``."""
+be split fail at start-up naming ``tensor_parallel_size``. Pipeline stages (``pipeline_parallel_size=2``) load
+quantized checkpoints too."""
 
 from __future__ import annotations
 
@@ -156,6 +157,20 @@ def test_tp2_greedy_matches_one_process(checkpoints, name: str) -> None:
     finally:
         llm.llm_engine.engine_core.shutdown()
     assert len({tuple(t) for t in expected}) > 1
+
+
+@pytest.mark.parametrize("name", ["gptq-g32-actorder", "awq-g32", "ct-fp8-channel", "fp8-online"])
+def test_pp2_greedy_matches_one_process(checkpoints, name: str) -> None:
+    """Pipeline stages load only their layers' quantized tensors (qweight / scales / zeros / g_idx, FP8 weights
+    and scales) and give the one-process model's tokens."""
+    path, kwargs = checkpoints[name]
+    common = {"dtype": "float32", "device": "cpu", "block_size": 4, "max_model_len": 64, **kwargs}
+    expected = _greedy(LLM(path, **common))
+    llm = LLM(path, pipeline_parallel_size=2, **common)
+    try:
+        assert _greedy(llm) == expected
+    finally:
+        llm.llm_engine.engine_core.shutdown()
 
 
 def _with_quant_config(src: str, dst: Path, qconfig: dict) -> str:
