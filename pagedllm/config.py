@@ -456,7 +456,6 @@ def _check_pipeline_parallel(
     pp = parallel_config.pipeline_parallel_size
     for what, used in (
         ("speculative_config", spec is not None),
-        ("enable_lora", lora_config is not None),
         ("data_parallel_size > 1", parallel_config.data_parallel_size > 1),
     ):
         if used:

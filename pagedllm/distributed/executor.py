@@ -42,8 +42,9 @@ appends the sampled tokens that ride along with the next ``launch``::
                        sample(N):  bitmask ───────────── link ─────► sample, collect
                        collect(N): ModelRunnerOutput ◄── link ────── (tokens go out with launch N+1)
 
-Synchronous scheduling and eager steps. Speculative decoding and LoRA are refused with pipeline_parallel_size > 1
-(pagedllm/config.py); quantized checkpoints load stage by stage like any other.
+Synchronous scheduling and eager steps. Speculative decoding is refused with pipeline_parallel_size > 1
+(pagedllm/config.py); quantized checkpoints load stage by stage like any other, and each stage's LoRA manager
+loads the part of an adapter its layers hold (the rest: ``LoRAManager.absent``).
 
 Speculative decoding under TP (n-gram and draft-model proposers; EAGLE is refused in pagedllm/config.py): the
 proposer runs in the engine core only (a draft model whole, unsharded, on rank 0, its KV cache keyed by the

@@ -129,10 +129,12 @@ def load_peft_adapter(
     packed_modules_mapping: Mapping[str, Sequence[str]],
     max_lora_rank: int,
     dtype: torch.dtype = torch.float32,
+    absent: Sequence[str] = (),
 ) -> LoRAModel:
     """Read a PEFT adapter directory and map it onto the model's LoRA-capable ``layers`` (by pagedllm module
     name). Raises ``ValueError`` naming the problem: missing files, a rank above ``max_lora_rank``, a module
-    the model has no LoRA layer for, an unsupported PEFT feature, or tensors of the wrong shape."""
+    the model has no LoRA layer for, an unsupported PEFT feature, or tensors of the wrong shape. ``absent``:
+    module prefixes another pipeline stage holds (``PPMissingLayer``s); their weights are skipped unchecked."""
     config = read_adapter_config(path)
     tensors = _load_tensors(path)
     shard_of = {
@@ -182,6 +184,8 @@ def load_peft_adapter(
         else:
             target, shard = module, None
         if target not in layers:
+            if any(target.startswith(prefix + ".") for prefix in absent):
+                continue  # another pipeline stage's layer: that stage loads and checks it
             raise ValueError(
                 f"LoRA adapter {path!r} targets module {module!r}, which the model has no LoRA layer for "
                 f"(supported: {', '.join(supported)})"

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from pagedllm.distributed.pipeline import PPMissingLayer
 from pagedllm.lora.adapter import LayerShape, LoRAModel, load_peft_adapter
 from pagedllm.lora.layers import LoRALinearMethod, LoRAMapping, install_lora_layers
 from pagedllm.lora.request import LoRARequest
@@ -62,6 +63,8 @@ class LoRAManager:
         )
         self.dtype = next(iter(self.layers.values())).lora_a.dtype
         self.packed_modules_mapping = dict(getattr(model, "packed_modules_mapping", {}) or {})
+        # Pipeline parallelism: the layers other stages hold, whose adapter weights this stage skips.
+        self.absent = [name for name, m in model.named_modules() if isinstance(m, PPMissingLayer)]
         # adapters are checked against the whole model's sizes; each LoRA layer keeps its TP rank's part
         self.layer_shapes = {
             name: LayerShape(m.full_input_size, tuple(m.full_output_sizes)) for name, m in self.layers.items()
@@ -91,6 +94,7 @@ class LoRAManager:
             self.packed_modules_mapping,
             self.max_lora_rank,
             self.dtype,
+            self.absent,
         )
         while len(self._cpu_cache) >= self.max_cpu_loras:
             evicted, _ = self._cpu_cache.popitem(last=False)

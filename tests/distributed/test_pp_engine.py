@@ -170,11 +170,6 @@ def test_pp_flag_reaches_the_engine_config(llama3l, monkeypatch):
         ),
         (
             "llama",
-            {"pipeline_parallel_size": 2, "enable_lora": True},
-            "enable_lora with pipeline_parallel_size",
-        ),
-        (
-            "llama",
             {"pipeline_parallel_size": 2, "data_parallel_size": 2},
             "data_parallel_size > 1 with pipeline",
         ),

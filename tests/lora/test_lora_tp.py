@@ -156,3 +156,4 @@ def test_tp2_add_remove_at_run_time(tp_lora_llm, arch, tiny_model_dirs, lora_ada
     assert engine.remove_lora(again.lora_int_id) is True
     assert again.lora_int_id not in engine.list_loras()
     assert_no_leaks(tp_lora_llm)
+
