@@ -1,5 +1,6 @@
 """Tensor parallelism on two CUDA GPUs (NCCL): TP=2 with decode CUDA graphs (the all-reduces captured inside them)
-gives TP=1's greedy tokens, and eager TP=2 gives the same. Skipped with fewer than two GPUs."""
+and async scheduling (the sampled ids broadcast on the device) gives TP=1's greedy tokens, and eager TP=2 gives the
+same. Skipped with fewer than two GPUs."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ pytestmark = [
 def _run(path: str, prompts: list[list[int]], **kw) -> tuple[list[list[int]], list[list[dict]], bool]:
     llm = LLM(path, dtype="float32", device="cuda", kv_cache_memory_bytes=64 * 2**20, max_model_len=256, **kw)
     core = llm.llm_engine.engine_core
+    assert llm.llm_engine.config.scheduler_config.async_scheduling  # the default on CUDA, under TP too
     try:
         graphs = getattr(core.runner, "graph_runner", None) is not None
         params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
