@@ -589,12 +589,6 @@ def make_engine_config(
         from pagedllm.distributed.parallel_state import verify_tp_config
 
         verify_tp_config(model_config.hf_config, tensor_parallel_size)  # ValueError naming the field
-        if spec is not None and spec.method not in ("ngram", "draft_model"):
-            # An EAGLE head reads the target's embeddings, LM head and hidden states, which are sharded here.
-            raise ValueError(
-                f"speculative_config.method {spec.method!r} with tensor_parallel_size > 1 is not supported yet "
-                "(use method 'ngram' or a draft model: speculative_config.model)"
-            )
     if parallel_config.pipeline_parallel_size > 1:
         # The stages exchange step N's sampled tokens on the host before step N+1 (pagedllm/distributed/executor.py;
         # under TP alone rank 0 broadcasts them on the device instead, so scheduling stays asynchronous).

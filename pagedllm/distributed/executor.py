@@ -46,8 +46,9 @@ Synchronous scheduling and eager steps. Speculative decoding is refused with pip
 (pagedllm/config.py); quantized checkpoints load stage by stage like any other, and each stage's LoRA manager
 loads the part of an adapter its layers hold (the rest: ``LoRAManager.absent``).
 
-Speculative decoding under TP (n-gram and draft-model proposers; EAGLE is refused in pagedllm/config.py): the
-proposer runs in the engine core only (a draft model whole, unsharded, on rank 0, its KV cache keyed by the
+Speculative decoding under TP (n-gram, draft-model and EAGLE proposers): the proposer runs in the engine core only
+(a draft model or an EAGLE head whole, unsharded, on rank 0, the head with whole copies of the target's embedding
+and LM head, reading rank 0's hidden states, which are whole after each all-reduce; a draft's KV cache keyed by the
 target's block ids); the drafts ride in the broadcast ``SchedulerOutput`` (``scheduled_spec_decode_tokens``), so
 every rank feeds them as extra query tokens and computes the same verification logits (the logits all-gather
 meets). Only rank 0 verifies; its ``collect`` gives each request its emitted tokens (accepted drafts plus one),

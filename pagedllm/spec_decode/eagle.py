@@ -73,6 +73,21 @@ class EagleProposer:
             if d2t is not None:
                 head.d2t.copy_(d2t.to(torch.long))
         self.head = head.eval()
+        # Under tensor parallelism the target's embedding and LM head each hold a vocabulary shard, and their
+        # forward is a collective the other ranks do not join: the head (on rank 0) reads whole copies.
+        self.embed: torch.nn.Module | None = None
+        self.lm_head: torch.nn.Module | None = None
+        if getattr(runner, "tp_size", 1) > 1:
+            from pagedllm.models.llama import LlamaForCausalLM
+
+            if type(inner).embed is not LlamaModel.embed or (
+                spec.method == "eagle" and type(target).compute_logits is not LlamaForCausalLM.compute_logits
+            ):
+                raise ValueError(
+                    f"speculative_config.method {spec.method!r} with tensor_parallel_size > 1 needs a target whose "
+                    "embedding and LM head are plain tables (Llama, Mistral, Qwen2/3)"
+                )
+            self.embed, self.lm_head = self._whole_tables(config)
         self.aux_layers = eagle3_aux_layers(len(inner.layers)) if spec.method == "eagle3" else ()
         if self.aux_layers and len(set(self.aux_layers)) != 3 or min(self.aux_layers, default=0) < 0:
             raise ValueError(
@@ -81,6 +96,38 @@ class EagleProposer:
             )
         self.kv_cache: list[torch.Tensor] = []
         self.kv: KVCacheManager | None = None
+
+    def _whole_tables(self, config: EngineConfig) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+        """Unsharded copies of the target's embedding and (EAGLE-1, whose logits are the target's) LM head, read
+        from the target checkpoint (random with dummy weights)."""
+        from safetensors import safe_open
+
+        from pagedllm.layers.embedding import LMHead, VocabEmbedding
+        from pagedllm.model_loader import _default_dtype, init_dummy_weights, safetensors_files
+
+        mc = config.model_config
+        hf = mc.hf_config
+        tied = bool(getattr(hf, "tie_word_embeddings", False))
+        with _default_dtype(mc.dtype), torch.device(self.device):
+            embed = VocabEmbedding(hf.vocab_size, hf.hidden_size)
+            lm_head = None
+            if self.method == "eagle":
+                lm_head = LMHead(hf.vocab_size, hf.hidden_size, tied_to=embed if tied else None)
+        if mc.load_format == "dummy":
+            init_dummy_weights(embed, mc.seed)
+            if lm_head is not None and not tied:
+                init_dummy_weights(lm_head, mc.seed)
+            return embed, lm_head
+        wanted = {"model.embed_tokens.weight": embed.weight}
+        if lm_head is not None and not tied:
+            wanted["lm_head.weight"] = lm_head.weight
+        for path in safetensors_files(mc.model_path):
+            with safe_open(path, framework="pt", device="cpu") as f, torch.no_grad():
+                for name in [n for n in f.keys() if n in wanted]:  # noqa: SIM118 - safe_open is not a dict
+                    wanted.pop(name).copy_(f.get_tensor(name))
+        if wanted:
+            raise ValueError(f"the target checkpoint lacks {sorted(wanted)} (needed by the EAGLE head under TP)")
+        return embed, lm_head
 
     # ------------------------------------------------------------------ start-up
 
@@ -169,7 +216,7 @@ class EagleProposer:
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.method == "eagle":
-            return self.runner.model.compute_logits(hidden)
+            return (self.runner.model.compute_logits if self.lm_head is None else self.lm_head)(hidden)
         return self.head.compute_logits(hidden)
 
     def _forward(
@@ -207,7 +254,8 @@ class EagleProposer:
             seq_lens_cpu=lens,
             is_pure_decode=bool((counts == 1).all()),
         )
-        embeds = self.runner.model.model.embed(torch.from_numpy(np.ascontiguousarray(token_ids)).to(dev))
+        embed = self.runner.model.model.embed if self.embed is None else self.embed
+        embeds = embed(torch.from_numpy(np.ascontiguousarray(token_ids)).to(dev))
         return self.head(
             embeds, hidden.to(embeds.dtype), torch.from_numpy(positions).to(dev), self.kv_cache, meta
         )

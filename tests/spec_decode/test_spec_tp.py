@@ -2,14 +2,18 @@
 rank gets; only rank 0 verifies them, and the workers append the emitted tokens (accepted drafts plus one) that
 ride with the next launch, dropping the rejected drafts as rank 0's runner does. Greedy output equals
 transformers' with drafts both accepted and rejected, with stop tokens and max_tokens inside drafts, for n-gram and
-draft-model proposers; no KV block leaks; EAGLE and pipeline parallelism are refused.
+draft-model proposers, and for EAGLE / EAGLE-3 heads (whole on rank 0, with whole copies of the target's
+embedding and LM head); no KV block leaks; pipeline parallelism is refused.
 
 One process holds one multi-rank engine at a time: the tests with an LLM of their own come first and shut it
 down, then the module's n-gram LLM serves the rest (and lives until the module ends)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import torch
 
 from pagedllm import LLM, SamplingParams
 from tests.spec_decode.test_spec_engine import (
@@ -45,23 +49,12 @@ def assert_accepted_and_rejected(llm: LLM) -> None:
     "kw, field",
     [
         (
-            {"tensor_parallel_size": 2, "speculative_config": "eagle"},
-            "speculative_config.method 'eagle' with tens",
-        ),
-        (
-            {"tensor_parallel_size": 2, "speculative_config": "eagle3"},
-            "speculative_config.method 'eagle3' with ten",
-        ),
-        (
             {"pipeline_parallel_size": 2, "speculative_config": NGRAM},
             "speculative_config with pipeline_parallel",
         ),
     ],
 )
 def test_refused_combinations(tiny_llama, kw, field):
-    method = kw["speculative_config"]
-    if method in ("eagle", "eagle3"):  # refused before the head is read: any model directory will do
-        kw["speculative_config"] = {"method": method, "model": tiny_llama, "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match=field):
         LLM(tiny_llama, device="cpu", **kw)
 
@@ -79,6 +72,49 @@ def test_tp2_draft_model_matches_transformers(tiny_model_dirs, tiny_llama):
         assert 0 < s.spec_num_accepted_tokens == s.spec_num_draft_tokens
         assert checks[0] > 0
         assert_no_leaks(llm)
+    finally:
+        shutdown(llm)
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_tp2_eagle_matches_transformers(method, tmp_path_factory):
+    """An EAGLE head runs whole on rank 0 over rank 0's hidden states (full after each all-reduce), with whole
+    copies of the target's vocabulary-sharded embedding and (EAGLE-1) LM head; greedy output equals
+    transformers' with chunks and a prefix hit, every rank's batch equals rank 0's after each step."""
+    from safetensors.torch import load_file
+
+    from tests.spec_decode.test_eagle import PROMPTS, make_eagle_head
+    from tests.spec_decode.test_eagle import reference as eagle_reference
+    from tests.utils import make_tiny_model
+
+    root = tmp_path_factory.mktemp("tp_eagle")
+    target = make_tiny_model("llama", root / "llama8", num_hidden_layers=8)  # EAGLE-3 reads layers 2, 4, 5
+    head = make_eagle_head(target, root / method, method)
+    spec = {"method": method, "model": head, "num_speculative_tokens": 3}
+    llm = tp_spec_llm(target, spec, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=16)
+    try:
+        checks = check_every_step(llm)
+        prompts = list(PROMPTS) + [PROMPTS[3] + (21, 22)]  # the last one hits the prefix cache
+        params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == eagle_reference(target, tuple(prompts))
+        assert stats(llm).spec_num_draft_tokens > 0 and checks[0] > 0
+        assert_no_leaks(llm)
+        # The head reads whole tables, the checkpoint's (rank 0's own are vocabulary shards). Its drafts are not
+        # compared with a one-process run: a random head's logits are near ties that float32 sums in another
+        # order may flip.
+        proposer = llm.llm_engine.engine_core.proposer
+        weights = load_file(str(Path(target) / "model.safetensors"))
+        torch.testing.assert_close(
+            proposer.embed.weight, weights["model.embed_tokens.weight"], rtol=0, atol=0
+        )
+        own = llm.llm_engine.engine_core.runner.runner.model.model.embed_tokens.weight
+        assert own.shape[0] < proposer.embed.weight.shape[0]  # rank 0's shard
+        if method == "eagle":
+            lm_head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+            torch.testing.assert_close(proposer.lm_head.weight, lm_head, rtol=0, atol=0)
+        else:
+            assert proposer.lm_head is None  # EAGLE-3 scores its own draft vocabulary
     finally:
         shutdown(llm)
 
