@@ -455,7 +455,10 @@ def _check_pipeline_parallel(
 
     pp = parallel_config.pipeline_parallel_size
     for what, used in (
-        ("speculative_config", spec is not None),
+        (
+            "speculative_config.method 'eagle' / 'eagle3'",
+            spec is not None and spec.method in ("eagle", "eagle3"),
+        ),
         ("data_parallel_size > 1", parallel_config.data_parallel_size > 1),
     ):
         if used:

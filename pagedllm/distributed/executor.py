@@ -42,8 +42,10 @@ appends the sampled tokens that ride along with the next ``launch``::
                        sample(N):  bitmask ───────────── link ─────► sample, collect
                        collect(N): ModelRunnerOutput ◄── link ────── (tokens go out with launch N+1)
 
-Synchronous scheduling and eager steps. Speculative decoding is refused with pipeline_parallel_size > 1
-(pagedllm/config.py); quantized checkpoints load stage by stage like any other, and each stage's LoRA manager
+Synchronous scheduling and eager steps. n-gram and draft-model drafts ride the broadcast step to every stage; the
+last stage computes the verification logits and the sampler verifies, and the other ranks append the emitted
+tokens with the next launch, as under TP (EAGLE heads, which read the last stage's hidden states, are refused
+with pipeline_parallel_size > 1 in pagedllm/config.py); quantized checkpoints load stage by stage like any other, and each stage's LoRA manager
 loads the part of an adapter its layers hold (the rest: ``LoRAManager.absent``).
 
 Speculative decoding under TP (n-gram, draft-model and EAGLE proposers): the proposer runs in the engine core only

@@ -461,8 +461,9 @@ class ModelRunner:
             counts = num_draft[sample_idx] + 1  # [num_sampled]
             first = np.repeat(cu[1:][sample_idx] - counts, counts)  # [num_logits] its request's first row
             offset = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-            logit_idx = torch.from_numpy(first + offset).to(dev, non_blocking=True)
-            step.logits = self.model.compute_logits(hidden[logit_idx])
+            if hidden is not None:  # (a pipeline stage before the last only keeps the bookkeeping)
+                logit_idx = torch.from_numpy(first + offset).to(dev, non_blocking=True)
+                step.logits = self.model.compute_logits(hidden[logit_idx])
             step.spec_num_draft = num_draft[sample_idx]
             k = int(step.spec_num_draft.max())
             step.spec_draft_ids = np.zeros((len(sample_idx), k), dtype=np.int64)  # [num_sampled, k]
@@ -573,7 +574,9 @@ class ModelRunner:
         # Every logit row samples with its request's settings (drafted requests have no history-dependent ones).
         meta = self._sampling_metadata(np.repeat(s_rows, counts))
         if grammar_bitmask is not None:
-            if grammar_bitmask.shape[0] != int(counts.sum()):  # one row per request: the same for its positions
+            if grammar_bitmask.shape[0] != int(
+                counts.sum()
+            ):  # one row per request: the same for its positions
                 grammar_bitmask = grammar_bitmask[torch.from_numpy(np.repeat(np.arange(num_sampled), counts))]
             meta.grammar_bitmask = grammar_bitmask.to(dev, non_blocking=True)
         processed = self.sampler.processed_logits(step.logits, meta)  # [num_logits, vocab_size] float32

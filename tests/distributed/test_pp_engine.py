@@ -32,8 +32,10 @@ def shutdown(llm: LLM) -> None:
     llm.llm_engine.engine_core.shutdown()
 
 
-def greedy_ids(llm: LLM, prompts: list[list[int]], **kw) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, **kw)
+def greedy_ids(
+    llm: LLM, prompts: list[list[int]], max_tokens_override: int | None = None, **kw
+) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens_override or MAX_NEW, ignore_eos=True, **kw)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
 
@@ -164,9 +166,9 @@ def test_pp_flag_reaches_the_engine_config(llama3l, monkeypatch):
             "llama",
             {
                 "pipeline_parallel_size": 2,
-                "speculative_config": {"method": "ngram", "num_speculative_tokens": 2},
+                "speculative_config": {"method": "eagle", "model": "TINY", "num_speculative_tokens": 2},
             },
-            "speculative_config with pipeline_parallel_size",
+            "speculative_config.method 'eagle' / 'eagle3' with pipeline_parallel_size",
         ),
         (
             "llama",
@@ -176,6 +178,9 @@ def test_pp_flag_reaches_the_engine_config(llama3l, monkeypatch):
     ],
 )
 def test_bad_pipeline_configs_fail_at_startup(tiny_model_dirs, arch, kw, field):
+    spec = kw.get("speculative_config")
+    if spec is not None:  # an EAGLE head is refused before it is read: any model directory will do
+        kw = {**kw, "speculative_config": {**spec, "model": tiny_model_dirs[arch]}}
     with pytest.raises(ValueError, match=field):
         LLM(tiny_model_dirs[arch], device="cpu", **kw)
 
@@ -238,6 +243,38 @@ def test_pp2_tp2_greedy_matches_transformers(llama3l):
         prompts = [[5, 6, 7, 8], list(range(30, 70)), [200, 3]]
         assert greedy_ids(llm, prompts) == hf_greedy(llama3l, prompts, MAX_NEW)
         llm.llm_engine.engine_core.check_integrity()
+    finally:
+        shutdown(llm)
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft_model"])
+def test_pp2_speculative_decoding_matches_transformers(llama3l, proposer):
+    """Drafts ride the broadcast step to every stage; the last stage computes the verification logits and verifies,
+    and every other rank appends the emitted tokens (accepted drafts plus one) with the next launch. n-gram drafts
+    are accepted and rejected; the target as its own draft model (whole on rank 0) has every draft accepted."""
+    from tests.spec_decode.test_spec_engine import NGRAM, make_prompts
+
+    spec = NGRAM if proposer == "ngram" else {"model": llama3l, "num_speculative_tokens": 3}
+    llm = pp_llm(llama3l, speculative_config=spec, max_num_batched_tokens=16, max_num_seqs=4)
+    try:
+        core = llm.llm_engine.engine_core
+        step = core.step
+
+        def checked_step():  # every rank's batch equals rank 0's after each step
+            out = step()
+            core.runner.check_batches()
+            return out
+
+        core.step = checked_step
+        prompts = make_prompts()
+        assert greedy_ids(llm, prompts, max_tokens_override=24) == hf_greedy(llama3l, prompts, 24)
+        s = llm.llm_engine.get_stats()
+        if proposer == "ngram":
+            assert 0 < s.spec_num_accepted_tokens < s.spec_num_draft_tokens
+        else:
+            assert 0 < s.spec_num_accepted_tokens == s.spec_num_draft_tokens
+        core.check_integrity()
+        assert core.kv_cache_manager.num_free_blocks == core.kv_cache_manager.pool.num_blocks
     finally:
         shutdown(llm)
 

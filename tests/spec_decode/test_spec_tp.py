@@ -3,7 +3,7 @@ rank gets; only rank 0 verifies them, and the workers append the emitted tokens 
 ride with the next launch, dropping the rejected drafts as rank 0's runner does. Greedy output equals
 transformers' with drafts both accepted and rejected, with stop tokens and max_tokens inside drafts, for n-gram and
 draft-model proposers, and for EAGLE / EAGLE-3 heads (whole on rank 0, with whole copies of the target's
-embedding and LM head); no KV block leaks; pipeline parallelism is refused.
+embedding and LM head); no KV block leaks. (Speculation under pipeline parallelism: tests/distributed/test_pp_engine.py.)
 
 One process holds one multi-rank engine at a time: the tests with an LLM of their own come first and shut it
 down, then the module's n-gram LLM serves the rest (and lives until the module ends)."""
@@ -43,20 +43,6 @@ def assert_accepted_and_rejected(llm: LLM) -> None:
     assert s.spec_num_drafts > 0
     assert 0 < s.spec_num_accepted_tokens < s.spec_num_draft_tokens, "the test meant to accept and reject"
     assert sum(s.spec_accepted_per_pos) == s.spec_num_accepted_tokens
-
-
-@pytest.mark.parametrize(
-    "kw, field",
-    [
-        (
-            {"pipeline_parallel_size": 2, "speculative_config": NGRAM},
-            "speculative_config with pipeline_parallel",
-        ),
-    ],
-)
-def test_refused_combinations(tiny_llama, kw, field):
-    with pytest.raises(ValueError, match=field):
-        LLM(tiny_llama, device="cpu", **kw)
 
 
 def test_tp2_draft_model_matches_transformers(tiny_model_dirs, tiny_llama):
