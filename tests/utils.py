@@ -238,7 +238,9 @@ def _default_weight(name: str) -> tuple[float, float]:
     return 0.0, 0.15
 
 
-def save_random_model(config, tokenizer, path: str | Path, seed: int, weight=_default_weight, **save_kw) -> str:
+def save_random_model(
+    config, tokenizer, path: str | Path, seed: int, weight=_default_weight, **save_kw
+) -> str:
     """Build ``config``'s transformers model with seeded random weights (``weight(name)`` -> (offset, std); larger
     than transformers' init, so greedy generation moves around and every part matters), save it with
     ``tokenizer`` to ``path``; return the directory."""
@@ -334,3 +336,14 @@ def hf_logprobs(path: str | Path, token_ids: list[int]) -> torch.Tensor:
     model = _load_hf(path)
     logits = model(torch.tensor([token_ids], dtype=torch.long)).logits[0]  # [len, vocab_size]
     return torch.log_softmax(logits.float(), dim=-1)
+
+
+def assert_greedy_and_logprobs_match_hf(outs, path: str, prompts: list[list[int]], max_new: int) -> None:
+    """``outs`` (``LLM.generate`` of ``prompts``, greedy with logprobs) holds transformers' greedy tokens, and each
+    token's logprob within 1e-4 of transformers' (teacher-forced over the prompt and the tokens before it)."""
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, prompts, max_new)
+    for prompt, out in zip(prompts, outs):
+        comp = out.outputs[0]
+        ref = hf_logprobs(path, prompt + comp.token_ids[:-1])
+        for j, (tok, lps) in enumerate(zip(comp.token_ids, comp.logprobs)):
+            assert abs(lps[tok].logprob - ref[len(prompt) - 1 + j][tok].item()) < 1e-4

@@ -16,7 +16,13 @@ import torch
 
 from pagedllm import LLM, SamplingParams, StructuredOutputsParams
 from pagedllm.distributed import PPGroup, pp_layer_partition
-from tests.utils import TINY_ARCHS, hf_greedy, hf_logprobs, make_tiny_model
+from tests.utils import (
+    TINY_ARCHS,
+    assert_greedy_and_logprobs_match_hf,
+    hf_greedy,
+    hf_logprobs,
+    make_tiny_model,
+)
 
 MAX_NEW = 8
 
@@ -295,12 +301,7 @@ def test_pp2_greedy_chunks_prefix_hits_preemption_and_logprobs(llama_pp2, llama3
     prompts = [shared + [5, 6, 7], list(range(100, 141)), shared + [9]]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=2)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(llama3l, prompts, MAX_NEW)
-    for prompt, out in zip(prompts, outs):
-        comp = out.outputs[0]
-        ref = hf_logprobs(llama3l, prompt + comp.token_ids[:-1])
-        for j, (tok, lps) in enumerate(zip(comp.token_ids, comp.logprobs)):
-            assert abs(lps[tok].logprob - ref[len(prompt) - 1 + j][tok].item()) < 1e-4
+    assert_greedy_and_logprobs_match_hf(outs, llama3l, prompts, MAX_NEW)
     stats = llm.llm_engine.get_stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
     # Prompt logprobs come from the last stage, chunk by chunk (prompt_logprobs requests skip the prefix cache).

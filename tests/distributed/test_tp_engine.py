@@ -13,7 +13,7 @@ import time
 import pytest
 
 from pagedllm import LLM, SamplingParams, StructuredOutputsParams
-from tests.utils import TINY_ARCHS, hf_greedy, hf_logprobs
+from tests.utils import TINY_ARCHS, assert_greedy_and_logprobs_match_hf, hf_greedy
 
 MAX_NEW = 8
 
@@ -55,12 +55,7 @@ def test_tp2_chunks_prefix_hits_preemption_n_and_logprobs(tiny_llama):
         prompts = [shared + [5, 6, 7], list(range(100, 141)), shared + [9]]
         params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=2)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_llama, prompts, MAX_NEW)
-        for prompt, out in zip(prompts, outs):
-            comp = out.outputs[0]
-            ref = hf_logprobs(tiny_llama, prompt + comp.token_ids[:-1])
-            for j, (tok, lps) in enumerate(zip(comp.token_ids, comp.logprobs)):
-                assert abs(lps[tok].logprob - ref[len(prompt) - 1 + j][tok].item()) < 1e-4
+        assert_greedy_and_logprobs_match_hf(outs, tiny_llama, prompts, MAX_NEW)
         stats = llm.llm_engine.get_stats()
         assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
         # n > 1 with seeded sampling: the same as TP=1 would give is not asserted (different RNG streams are
@@ -204,12 +199,7 @@ def test_tp2_async_scheduling_chunks_prefix_hits_preemption_and_logprobs(async_t
     prompts = [shared + [5, 6, 7], list(range(100, 141)), shared + [9], [3, 4]]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=2)
     outs = async_tp.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_llama, prompts, MAX_NEW)
-    for prompt, out in zip(prompts, outs):
-        comp = out.outputs[0]
-        ref = hf_logprobs(tiny_llama, prompt + comp.token_ids[:-1])
-        for j, (tok, lps) in enumerate(zip(comp.token_ids, comp.logprobs)):
-            assert abs(lps[tok].logprob - ref[len(prompt) - 1 + j][tok].item()) < 1e-4
+    assert_greedy_and_logprobs_match_hf(outs, tiny_llama, prompts, MAX_NEW)
     stats = async_tp.llm_engine.get_stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
     core = async_tp.llm_engine.engine_core
