@@ -206,6 +206,10 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes!r}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override!r}")
+        if not isinstance(self.disable_hybrid_kv_cache_manager, bool):
+            raise ValueError(
+                f"disable_hybrid_kv_cache_manager must be a bool, got {self.disable_hybrid_kv_cache_manager!r}"
+            )
 
     def kv_cache_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The KV cache's element type: ``model_dtype`` for "auto", else ``torch.float8_e4m3fn``."""

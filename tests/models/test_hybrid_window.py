@@ -240,3 +240,26 @@ def test_every_groups_metadata_is_contiguous(hybrid_dirs, monkeypatch):
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 30, 17)]
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
     assert seen and set(seen) == {(1, 1)}
+
+
+def test_the_cli_flag_reaches_the_kv_cache(hybrid_dirs):
+    """``--disable-hybrid-kv-cache-manager`` (vLLM's flag) through the CLI's engine arguments: one full-attention
+    group instead of Gemma 3's full + sliding groups."""
+    import argparse
+
+    from pagedllm.config import make_engine_config
+    from pagedllm.engine.arg_utils import add_engine_args, engine_kwargs_from_args
+    from pagedllm.engine.engine_core import EngineCore
+
+    path = hybrid_dirs["gemma3"][0]
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    for flags, windows in (([], [None, TINY_WINDOWS["gemma3"]]), (["--disable-hybrid-kv-cache-manager"], [None])):
+        args = parser.parse_args(["--model", path, "--device", "cpu", "--dtype", "float32", *flags])
+        config = make_engine_config(path, **engine_kwargs_from_args(args))
+        assert config.cache_config.disable_hybrid_kv_cache_manager == bool(flags)
+        core = EngineCore(config)
+        assert core.kv_cache_info["group_windows"] == windows
+        core.shutdown()
+    with pytest.raises(ValueError, match="disable_hybrid_kv_cache_manager must be a bool"):
+        LLM(path, device="cpu", disable_hybrid_kv_cache_manager="yes")
