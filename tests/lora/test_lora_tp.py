@@ -104,8 +104,11 @@ def arch(request) -> str:
 
 @pytest.fixture(scope="module")
 def tp_lora_llm(arch, tiny_model_dirs):
+    """TP=2 with LoRA; Phi-3's engine also schedules asynchronously (the default on CUDA: each step's slots are
+    given while the previous step still runs, and the sampled ids reach the worker on the device)."""
     llm = LLM(
         tiny_model_dirs[arch],
+        async_scheduling=arch == "phi3",
         enable_lora=True,
         max_loras=4,
         tensor_parallel_size=2,
@@ -156,4 +159,3 @@ def test_tp2_add_remove_at_run_time(tp_lora_llm, arch, tiny_model_dirs, lora_ada
     assert engine.remove_lora(again.lora_int_id) is True
     assert again.lora_int_id not in engine.list_loras()
     assert_no_leaks(tp_lora_llm)
-

@@ -151,7 +151,15 @@ def test_tp2_greedy_matches_one_process(checkpoints, name: str) -> None:
     path, kwargs = checkpoints[name]
     common = {"dtype": "float32", "device": "cpu", "block_size": 4, "max_model_len": 64, **kwargs}
     expected = _greedy(LLM(path, **common))
-    llm = LLM(path, tensor_parallel_size=2, distributed_executor_backend="mp", **common)
+    # GPTQ and FP8 engines also schedule asynchronously (the default on CUDA, under TP too)
+    asynchronous = name.startswith(("gptq", "fp8"))
+    llm = LLM(
+        path,
+        tensor_parallel_size=2,
+        distributed_executor_backend="mp",
+        async_scheduling=asynchronous,
+        **common,
+    )
     try:
         assert _greedy(llm) == expected
     finally:
