@@ -1,36 +1,53 @@
 #!/usr/bin/env bash
-# Issue 11's device call: speculative decoding on the GPU. The gpu tests of tests/spec_decode, then
-# `pagedllm bench latency` on the Llama-3.1-8B shape (dummy weights) at batch 1 and 16, 128 in / 128 out:
-# no speculation; a draft model equal to the target (the same dummy weights: every draft is accepted, the best
-# case, and the verification's overhead); n-gram drafts on random prompts (few accepted: the cost of trying).
-#   bash benchmarks/gpu_issue11.sh [tests] [latency]      (no argument: both)
+# Issue 11's device call: speculative decoding on the GPU.
+#   tests    the gpu tests of tests/spec_decode
+#   demo     `pagedllm bench latency` on the bundled demo target (real code prompts: 128-token windows of the
+#            stdlib's held-out files, 128 out, greedy) at batch 1 and 16: no speculation, n-gram, the small demo
+#            model as draft, the demo EAGLE head; prints each run's mean acceptance length
+#   latency  the Llama-3.1-8B shape (dummy weights) at batch 1 and 16, 128 in / 128 out: no speculation and a
+#            draft equal to the target (the same dummy weights: the best case, and the verification's overhead)
+#   bash benchmarks/gpu_issue11.sh [tests] [demo] [latency]      (no argument: all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
-out="${OUT:-.out}"; mkdir -p "$out"
-py=python3
-want() { [ $# -eq 0 ] && return 0; [ ${#ARGS[@]} -eq 0 ] && return 0; for a in "${ARGS[@]}"; do [ "$a" = "$1" ] && return 0; done; return 1; }
-ARGS=("$@")
+source benchmarks/lib.sh "$@"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+mkdir -p "$out/lat"
+trap 'tar -C "$out" -cf "$out/lat.tar" lat && rm -rf "$out/lat"' EXIT  # one file back, not one per run
+bench() {  # name, then bench latency arguments
+  local name=$1; shift
+  echo "=== $name"
+  local t0=$(date +%s)
+  timeout 150 $py -m pagedllm.benchmarks.latency "$@" --output-json "$out/lat/$name.json" 2>&1 \
+    | grep -E "^(Latency|SpecDecoding)|Error|Traceback" | head -5
+  echo "    ($(( $(date +%s) - t0 )) s)"
+}
 if want tests; then
   timeout 200 $py -m pytest -q -m gpu tests/spec_decode -p no:cacheprovider 2>&1 | tail -5
+fi
+if want demo; then
+  std=$($py -c "import sysconfig; print(sysconfig.get_paths()['stdlib'])")
+  # The held-out files of the demo model's training (pagedllm/demo_model/train_log.json: from xmlrpc/server.py on).
+  held=("$std/xmlrpc/server.py" "$std/zipapp.py" "$std/zipfile" "$std/zipimport.py" "$std/zoneinfo")
+  common=(--max-model-len 1024 --input-len 128 --output-len 128 --num-iters-warmup 2 --num-iters ${ITERS:-5}
+          --prompts-from "${held[@]}")
+  for bs in ${BATCHES:-1 16}; do
+    bench "demo_b${bs}_plain" "${common[@]}" --batch-size "$bs"
+    bench "demo_b${bs}_ngram" "${common[@]}" --batch-size "$bs" --speculative-config \
+      '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+    bench "demo_b${bs}_draft" "${common[@]}" --batch-size "$bs" --speculative-config \
+      '{"model": "pagedllm/demo_model/draft", "num_speculative_tokens": 4}'
+    bench "demo_b${bs}_eagle" "${common[@]}" --batch-size "$bs" --speculative-config \
+      '{"method": "eagle", "model": "pagedllm/demo_model/eagle", "num_speculative_tokens": 3}'
+  done
 fi
 if want latency; then
   $py -m pagedllm.benchmarks.shapes "$out/models" >/dev/null
   L="$out/models/llama-3.1-8b"
-  common="--model $L --load-format dummy --max-model-len 4096 --gpu-memory-utilization 0.9 --input-len 128 --output-len 128 --num-iters-warmup 1 --num-iters ${ITERS:-3}"
+  common=(--model "$L" --load-format dummy --max-model-len 4096 --gpu-memory-utilization 0.9 --input-len 128
+          --output-len 128 --num-iters-warmup 1 --num-iters ${ITERS:-3})
   for bs in ${BATCHES:-1 16}; do
-    for name in plain draft_self ngram; do
-      case $name in
-        plain) spec=() ;;
-        draft_self) spec=(--speculative-config "{\"model\": \"$L\", \"num_speculative_tokens\": 4}") ;;
-        ngram) spec=(--speculative-config '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}') ;;
-      esac
-      echo "=== llama8b b$bs $name"
-      t0=$(date +%s)
-      timeout 150 $py -m pagedllm.benchmarks.latency $common --batch-size "$bs" "${spec[@]}" \
-        --output-json "$out/lat_b${bs}_$name.json" 2>&1 | grep -E "^(Latency|SpecDecoding)|Error|Traceback" | head -5
-      echo "    ($(( $(date +%s) - t0 )) s)"
-    done
+    bench "llama8b_b${bs}_plain" "${common[@]}" --batch-size "$bs"
+    bench "llama8b_b${bs}_draft_self" "${common[@]}" --batch-size "$bs" \
+      --speculative-config "{\"model\": \"$L\", \"num_speculative_tokens\": 4}"
   done
 fi

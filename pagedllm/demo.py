@@ -28,3 +28,15 @@ def default_model() -> str:
             f"`--config tiny` gives an untrained-quality model in seconds on CPU), or pass a model path"
         )
     return str(DEMO_MODEL_DIR)
+
+
+def demo_draft_model() -> str:
+    """The small demo model (same tokenizer) that drafts for the default one:
+    ``speculative_config={"model": demo_draft_model(), "num_speculative_tokens": 4}``."""
+    return str(DEMO_MODEL_DIR / "draft")
+
+
+def demo_eagle_head() -> str:
+    """The EAGLE-1 head trained for the default demo model:
+    ``speculative_config={"method": "eagle", "model": demo_eagle_head(), "num_speculative_tokens": 3}``."""
+    return str(DEMO_MODEL_DIR / "eagle")

@@ -122,7 +122,32 @@ SPECS = {
         eval_every=250,
         dropout=0.1,
     ),
+    # The speculative-decoding demo target (issue 11): ~16.5M parameters, ~33 MB in bfloat16, the "demo"
+    # model's tokenizer (so the small model drafts for it), trained on the stdlib plus permissively
+    # licensed installed packages (--extra-corpus) for a few minutes on one H100/H200.
+    "target": TrainSpec(
+        vocab_size=4096,
+        hidden_size=384,
+        num_hidden_layers=8,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=1280,
+        max_position_embeddings=1024,
+        steps=8000,
+        batch_size=64,
+        seq_len=1024,
+        lr=1.5e-3,
+        log_every=100,
+        eval_every=500,
+        dropout=0.0,
+    ),
 }
+
+# Licenses whose code may be used as training data for a model shipped with pagedllm (matched as
+# substrings of a package's License / License-Expression metadata or its license classifiers).
+PERMISSIVE_LICENSES = ("MIT", "BSD", "Apache", "PSF", "Python Software Foundation", "ISC")
+COPYLEFT_LICENSES = ("GPL", "MPL", "EPL", "CDDL", "Proprietary", "Commercial")  # any of these: refused
 
 
 # ---------------------------------------------------------------- corpus
@@ -213,12 +238,11 @@ def wrap_tokenizer(tok, model_max_length: int):
 def encode_documents(tok, texts: list[str]) -> torch.Tensor:
     """Each text as ``<s> ... </s>``, joined into one int64 stream of shape [num_tokens]."""
     bos_id, eos_id = tok.token_to_id(BOS), tok.token_to_id(EOS)
-    stream: list[int] = []
-    for enc in tok.encode_batch(texts, add_special_tokens=False):
-        stream.append(bos_id)
-        stream.extend(enc.ids)
-        stream.append(eos_id)
-    return torch.tensor(stream, dtype=torch.long)
+    parts: list[torch.Tensor] = []
+    for first in range(0, len(texts), 1024):  # batches: the encodings of a 100+ MB corpus at once are large
+        for enc in tok.encode_batch(texts[first : first + 1024], add_special_tokens=False):
+            parts.append(torch.tensor([bos_id, *enc.ids, eos_id], dtype=torch.long))
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
 
 
 # ---------------------------------------------------------------- model and training
@@ -352,6 +376,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--max-corpus-mb", type=float, help="use only the first N MB of the sorted corpus")
     p.add_argument("--include-tests", action="store_true", help="also train on the stdlib's test suites")
+    p.add_argument(
+        "--tokenizer", type=Path, help="reuse the tokenizer of this model directory (default: train one)"
+    )
+    p.add_argument(
+        "--extra-corpus",
+        action="append",
+        default=[],
+        metavar="PACKAGE",
+        help="also train on this installed package's .py files (repeatable; permissive licenses only)",
+    )
+    p.add_argument(
+        "--max-extra-mb", type=float, default=200.0, help="bytes of --extra-corpus code, all packages"
+    )
     p.add_argument("--log-every", type=int, help="steps between log lines (default: the config's)")
     p.add_argument(
         "--eval-every", type=int, help="steps between held-out evaluations (default: the config's)"
@@ -377,16 +414,99 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def prepare_data(max_corpus_mb: float | None, vocab_size: int, include_tests: bool = False):
-    """Corpus -> held-out split -> tokenizer -> token streams. Returns (tokenizer, train, held-out, stats)."""
+def package_license(dist_name: str) -> str:
+    """The license a distribution declares: License-Expression, else License, else its license classifiers."""
+    from importlib.metadata import metadata
+
+    meta = metadata(dist_name)
+    declared = meta.get("License-Expression") or ""
+    if not declared and len(meta.get("License") or "") < 100:  # some packages paste the whole text there
+        declared = meta.get("License") or ""
+    classifiers = [
+        c.split("::")[-1].strip() for c in meta.get_all("Classifier") or [] if c.startswith("License")
+    ]
+    return declared.strip() or "; ".join(classifiers)
+
+
+def is_permissive(license_: str) -> bool:
+    """A declared license that names a permissive license and no copyleft or proprietary one."""
+    lowered = license_.lower()
+    return any(w.lower() in lowered for w in PERMISSIVE_LICENSES) and not any(
+        w.lower() in lowered for w in COPYLEFT_LICENSES
+    )
+
+
+def package_corpus(names: list[str], max_bytes: int) -> tuple[list[Path], list[dict]]:
+    """The ``.py`` files of installed packages (import names), training data beside the stdlib.
+
+    Each package must declare a permissive license (PERMISSIVE_LICENSES), else SystemExit names it. Files
+    come in sorted order per package, at most ``max_bytes / len(names)`` bytes of each; test and vendored
+    directories are left out (vendored code may carry other licenses).
+    """
+    import importlib.util
+    from importlib.metadata import packages_distributions
+
+    dists = packages_distributions()
+    excluded = EXCLUDED_DIRS | {"_vendor", "vendor", "_vendored", "vendored", "third_party", "extern"}
+    files: list[Path] = []
+    stats = []
+    for name in names:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            raise SystemExit(f"--extra-corpus {name}: no installed package of that name")
+        dist = (dists.get(name) or [name])[0]
+        license_ = package_license(dist)
+        if not is_permissive(license_):
+            raise SystemExit(
+                f"--extra-corpus {name}: license {license_!r} is not one of {PERMISSIVE_LICENSES}"
+            )
+        root = Path(next(iter(spec.submodule_search_locations)))
+        kept = list_corpus(root, max_bytes // max(1, len(names)), excluded)
+        files.extend(kept)
+        from importlib.metadata import version
+
+        stats.append(
+            {"package": name, "distribution": dist, "version": version(dist), "license": license_,
+             "num_files": len(kept), "num_bytes": sum(f.stat().st_size for f in kept)}
+        )  # fmt: skip
+    return files, stats
+
+
+def load_tokenizer(path: Path):
+    """A tokenizer saved by an earlier run (``tokenizer.json``), so a new model shares its token ids."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
+    for special in (BOS, EOS, PAD):
+        if tok.token_to_id(special) is None:
+            raise SystemExit(f"--tokenizer {path}: no {special} token")
+    return tok
+
+
+def prepare_data(
+    max_corpus_mb: float | None,
+    vocab_size: int,
+    include_tests: bool = False,
+    tokenizer: Path | None = None,
+    extra_corpus: list[str] | None = None,
+    max_extra_mb: float = 200.0,
+):
+    """Corpus -> held-out split -> tokenizer -> token streams. Returns (tokenizer, train, held-out, stats).
+
+    The held-out files are always the stdlib's last ones, whatever ``extra_corpus`` adds to training, so
+    held-out losses compare across runs. ``tokenizer``: reuse that run's tokenizer instead of training one.
+    """
     root = stdlib_root()
     excluded = EXCLUDED_DIRS - TEST_DIRS if include_tests else EXCLUDED_DIRS
     files = list_corpus(root, None if max_corpus_mb is None else int(max_corpus_mb * 1e6), excluded)
     train_files, heldout_files = split_heldout(files)
     train_texts = [read_text(f) for f in train_files]
     heldout_texts = [read_text(f) for f in heldout_files]
-    raw_tok = train_tokenizer(train_texts, vocab_size)
-    train_data = encode_documents(raw_tok, train_texts)  # [num_train_tokens]
+    raw_tok = train_tokenizer(train_texts, vocab_size) if tokenizer is None else load_tokenizer(tokenizer)
+    extra_files, extra_stats = package_corpus(extra_corpus or [], int(max_extra_mb * 1e6))
+    train_data = encode_documents(
+        raw_tok, train_texts + [read_text(f) for f in extra_files]
+    )  # [num_train_tokens]
     heldout_data = encode_documents(raw_tok, heldout_texts)  # [num_heldout_tokens]
     corpus = {
         "source": "Python standard library (.py files), PSF License Version 2",
@@ -401,6 +521,8 @@ def prepare_data(max_corpus_mb: float | None, vocab_size: int, include_tests: bo
         "num_train_tokens": train_data.numel(),
         "num_heldout_tokens": heldout_data.numel(),
         "vocab_size": raw_tok.get_vocab_size(),
+        "tokenizer": "trained on the train files" if tokenizer is None else f"reused from {tokenizer}",
+        "extra": extra_stats,
     }
     return raw_tok, train_data, heldout_data, corpus
 
@@ -571,12 +693,22 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"[{time.perf_counter() - t_start:7.1f}s] {msg}", flush=True)
 
     raw_tok, train_data, heldout_data, corpus = prepare_data(
-        args.max_corpus_mb, spec.vocab_size, args.include_tests
+        args.max_corpus_mb,
+        spec.vocab_size,
+        args.include_tests,
+        args.tokenizer,
+        args.extra_corpus,
+        args.max_extra_mb,
     )
     say(
         f"corpus: {corpus['num_files']} files, {corpus['num_bytes'] / 1e6:.2f} MB from {corpus['stdlib_root']}; "
         f"{train_data.numel():,} train / {heldout_data.numel():,} held-out tokens, vocab {corpus['vocab_size']}"
     )
+    for extra in corpus["extra"]:
+        say(
+            f"  + {extra['package']} {extra['version']} ({extra['license']}): {extra['num_files']} files, "
+            f"{extra['num_bytes'] / 1e6:.2f} MB"
+        )
     if train_data.numel() <= args.seq_len + 1:
         raise SystemExit(f"training stream ({train_data.numel()} tokens) is not longer than --seq-len")
 
@@ -674,12 +806,57 @@ def render_readme(log: dict) -> str:
     m, c = log["model"], log["corpus"]
     curve = "\n".join(f"| {e['step']} | {e['heldout_loss']} |" for e in log["evals"])
     samples = "\n\n".join(f"````python\n{p}{t}\n````" for p, t in log["samples"].items())
+    extra = c.get("extra") or []
+    extra_rows = "\n".join(
+        f"| `{e['package']}` | {e['distribution']} {e['version']} | {e['license']} | {e['num_files']} | "
+        f"{e['num_bytes'] / 1e6:.2f} MB |"
+        for e in extra
+    )
+    extra_data = (
+        f"""
+
+Training also reads the `.py` files of these installed packages (sorted, tests and vendored directories left
+out); the held-out files are the stdlib's alone, as above:
+
+| package | distribution | license | files | size |
+|---|---|---|---|---|
+{extra_rows}"""
+        if extra
+        else ""
+    )
+    extra_license = (
+        " It was also trained on the packages listed under Data, each under the license named there; treat the"
+        " weights and outputs as derived from that code too."
+        if extra
+        else ""
+    )
+    tokenizer_note = f" Tokenizer: {c['tokenizer']}." if c.get("tokenizer") else ""
+    speculation = (
+        """
+
+## Speculative decoding
+
+This model reuses the tokenizer of the earlier, smaller demo model, which ships beside it as `draft/` and drafts
+for it; `eagle/` holds an EAGLE-1 head trained for it by `tools/train_eagle_head.py` (see its README).
+
+```python
+from pagedllm.demo import default_model, demo_draft_model, demo_eagle_head
+
+llm = LLM(model=default_model(), speculative_config={"model": demo_draft_model(), "num_speculative_tokens": 4})
+llm = LLM(model=default_model(), speculative_config={"method": "eagle", "model": demo_eagle_head(),
+                                                       "num_speculative_tokens": 3})
+```
+
+Acceptance lengths and speeds measured on the GPU are in `docs/benchmarks.md`."""
+        if str(c.get("tokenizer", "")).startswith("reused")
+        else ""
+    )
     return f"""# pagedllm demo model
 
 A small code-completion model bundled with pagedllm so that it runs with no model hub. It is a
-`LlamaForCausalLM` with its own byte-level BPE tokenizer, trained from scratch on the source of the
-Python standard library by `tools/train_demo_model.py`. It continues Python code (`def fibonacci(n):`);
-it is not an assistant and knows nothing but the standard library's code. Every number below was
+`LlamaForCausalLM` with its own byte-level BPE tokenizer, trained from scratch on Python source code (the
+standard library{" and the packages listed under Data" if extra else ""}) by `tools/train_demo_model.py`. It continues Python code (`def fibonacci(n):`);
+it is not an assistant and knows nothing but Python code. Every number below was
 measured by the training run and written by the script.
 
 ## Use
@@ -693,7 +870,7 @@ print(llm.generate(["def fibonacci(n):"], SamplingParams(max_tokens=64, temperat
 ```
 
 The chat template turns system and user turns into Python comments and opens the reply with
-`# assistant:`, so chat requests get code back.
+`# assistant:`, so chat requests get code back.{speculation}
 
 ## Model
 
@@ -712,7 +889,7 @@ The {c["num_files"]} `.py` files ({c["num_bytes"] / 1e6:.2f} MB) of the Python {
 library, in sorted path order, leaving out directories named {", ".join(f"`{d}`" for d in c["excluded_dirs"])}.
 The last {c["num_heldout_files"]} file{"s" if c["num_heldout_files"] != 1 else ""} (from `{c["heldout_first_file"]}` on) are held out from both the
 tokenizer and the model: {c["num_heldout_tokens"]:,} tokens, against {c["num_train_tokens"]:,} for training.
-Each file is one document, `<s> ... </s>`; training takes random contiguous windows of the joined stream.
+Each file is one document, `<s> ... </s>`; training takes random contiguous windows of the joined stream.{tokenizer_note}{extra_data}
 
 ## Training
 
@@ -757,7 +934,7 @@ Command:
 
 The training data is the Python standard library, Copyright (c) Python Software Foundation, distributed
 under the PSF License Agreement (Python Software Foundation License Version 2). The model can reproduce
-fragments of that code, so treat its weights and outputs as derived from PSF-licensed material.
+fragments of that code, so treat its weights and outputs as derived from PSF-licensed material.{extra_license}
 """
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -26,6 +28,15 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-iters-warmup", type=int, default=3)
     parser.add_argument("--num-iters", type=int, default=10)
     parser.add_argument("--output-json", default=None)
+    parser.add_argument(
+        "--prompts-from",
+        nargs="+",
+        default=None,
+        metavar="PATH",
+        help="prompts from real text instead of random token ids: windows of --input-len tokens of these "
+        "files joined (a directory: its *.py files, sorted), spread evenly over the text, so speculative "
+        "decoding has something to predict",
+    )
 
 
 def _prompts(batch_size: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
@@ -33,15 +44,34 @@ def _prompts(batch_size: int, input_len: int, vocab: int, seed: int) -> list[lis
     return rng.integers(0, min(vocab, 10000), size=(batch_size, input_len)).tolist()
 
 
+def text_prompts(paths: list[str], tokenizer: Any, batch_size: int, input_len: int) -> list[list[int]]:
+    """``batch_size`` windows of ``input_len`` tokens, evenly spaced over the files' joined tokens."""
+    files: list[Path] = []
+    for path in map(Path, paths):
+        files.extend(sorted(path.rglob("*.py")) if path.is_dir() else [path])
+    stream: list[int] = []
+    for path in files:
+        stream.extend(
+            tokenizer.encode(path.read_text(encoding="utf-8", errors="replace"), add_special_tokens=False)
+        )
+    if len(stream) < input_len:
+        raise ValueError(f"--prompts-from: {len(stream)} tokens of text, fewer than --input-len {input_len}")
+    step = (len(stream) - input_len) // max(1, batch_size - 1) if batch_size > 1 else 0
+    return [stream[i * step : i * step + input_len] for i in range(batch_size)]
+
+
 def _pagedllm_runner(args: argparse.Namespace):
     from pagedllm import LLM, SamplingParams
     from pagedllm.benchmarks.throughput import engine_kwargs_from_args_for_llm
 
     llm = LLM(resolve_model_arg(args), **engine_kwargs_from_args_for_llm(args))
-    prompts = [
-        {"prompt_token_ids": p}
-        for p in _prompts(args.batch_size, args.input_len, llm.llm_engine.engine_core.vocab_size, args.seed)
-    ]
+    if args.prompts_from:
+        token_ids = text_prompts(args.prompts_from, llm.get_tokenizer(), args.batch_size, args.input_len)
+    else:
+        token_ids = _prompts(
+            args.batch_size, args.input_len, llm.llm_engine.engine_core.vocab_size, args.seed
+        )
+    prompts = [{"prompt_token_ids": p} for p in token_ids]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
 
     def run() -> None:
@@ -58,9 +88,14 @@ def _hf_runner(args: argparse.Namespace):
     from pagedllm.benchmarks.hf_backend import load_hf_model
 
     model, device = load_hf_model(args)
-    ids = torch.tensor(
-        _prompts(args.batch_size, args.input_len, model.config.vocab_size, args.seed), device=device
-    )
+    if args.prompts_from:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or resolve_model_arg(args))
+        token_ids = text_prompts(args.prompts_from, tokenizer, args.batch_size, args.input_len)
+    else:
+        token_ids = _prompts(args.batch_size, args.input_len, model.config.vocab_size, args.seed)
+    ids = torch.tensor(token_ids, device=device)
 
     def run() -> None:
         with torch.inference_mode():
