@@ -22,7 +22,8 @@ bench() {  # name, then bench latency arguments
   echo "    ($(( $(date +%s) - t0 )) s)"
 }
 if want tests; then
-  timeout 200 $py -m pytest -q -m gpu tests/spec_decode -p no:cacheprovider 2>&1 | tail -5
+  timeout 240 $py -m pytest -q -m gpu tests/spec_decode tests/engine/test_gpu_engine.py -p no:cacheprovider \
+    -k "spec or graphs or async" 2>&1 | tail -8
 fi
 if want demo; then
   std=$($py -c "import sysconfig; print(sysconfig.get_paths()['stdlib'])")
@@ -31,21 +32,23 @@ if want demo; then
   common=(--max-model-len 1024 --input-len 128 --output-len 128 --num-iters-warmup 2 --num-iters ${ITERS:-5}
           --prompts-from "${held[@]}")
   for bs in ${BATCHES:-1 16}; do
-    bench "demo_b${bs}_plain" "${common[@]}" --batch-size "$bs"
-    bench "demo_b${bs}_ngram" "${common[@]}" --batch-size "$bs" --speculative-config \
-      '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
-    bench "demo_b${bs}_draft" "${common[@]}" --batch-size "$bs" --speculative-config \
-      '{"model": "pagedllm/demo_model/draft", "num_speculative_tokens": 4}'
-    bench "demo_b${bs}_eagle" "${common[@]}" --batch-size "$bs" --speculative-config \
-      '{"method": "eagle", "model": "pagedllm/demo_model/eagle", "num_speculative_tokens": 3}'
+    for name in ${METHODS:-plain ngram draft eagle}; do
+      case $name in
+        plain) spec=() ;;
+        ngram) spec=(--speculative-config '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}') ;;
+        draft) spec=(--speculative-config '{"model": "pagedllm/demo_model/draft", "num_speculative_tokens": 4}') ;;
+        eagle) spec=(--speculative-config '{"method": "eagle", "model": "pagedllm/demo_model/eagle", "num_speculative_tokens": 3}') ;;
+      esac
+      bench "demo_b${bs}_$name" "${common[@]}" --batch-size "$bs" "${spec[@]}"
+    done
   done
 fi
 if want latency; then
-  $py -m pagedllm.benchmarks.shapes "$out/models" >/dev/null
-  L="$out/models/llama-3.1-8b"
+  $py -m pagedllm.benchmarks.shapes /tmp/models >/dev/null  # (not under $out: only 8 files come back)
+  L="/tmp/models/llama-3.1-8b"
   common=(--model "$L" --load-format dummy --max-model-len 4096 --gpu-memory-utilization 0.9 --input-len 128
           --output-len 128 --num-iters-warmup 1 --num-iters ${ITERS:-3})
-  for bs in ${BATCHES:-1 16}; do
+  for bs in ${LLAMA_BATCHES:-1 16}; do
     bench "llama8b_b${bs}_plain" "${common[@]}" --batch-size "$bs"
     bench "llama8b_b${bs}_draft_self" "${common[@]}" --batch-size "$bs" \
       --speculative-config "{\"model\": \"$L\", \"num_speculative_tokens\": 4}"

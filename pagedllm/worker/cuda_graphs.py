@@ -1,9 +1,17 @@
-"""CUDA graphs for pure-decode steps, captured once per padded batch size at start-up (GPU only).
+"""CUDA graphs for decode steps, captured once per padded batch size at start-up (GPU only).
 
-A decode step of ``n`` requests runs the graph captured for the smallest size ``>= n``. Everything the graph reads
-lives in static device buffers that each step overwrites in place::
+A pure-decode step of ``n`` requests runs the graph captured for the smallest size ``>= n``. Everything the graph
+reads lives in static device buffers that each step overwrites in place::
 
     input_ids[bs]  positions[bs]  slot_mapping[bs]  seq_lens[bs]  block_table[bs, max_blocks]  -> hidden[bs, H]
+
+With speculative decoding a second set of graphs, one per padded batch size ``bs``, serves steps whose requests
+each compute at most ``q = k + 1`` tokens (verification: the last token plus up to k drafts; a draft model's
+catch-up): ``bs * q`` token rows, ``max_query_len = q``. The step's real tokens come first, in their flattened
+order, with its real ``query_start_loc``; requests ``n..bs`` get a query length and a context of 0, so the
+attention kernel skips them (its grid depends only on ``bs``, ``bs * q``, ``q`` and ``max_seq_len``). Rows past the
+real tokens belong to no request: their keys are not written (slot -1), the attention leaves their output
+unwritten, and their hidden rows are ignored (every other op is row-wise, so nothing reaches a real row).
 
 A hybrid model (KV cache groups, core/kv_cache_manager.py) has one slot mapping and one block table per group:
 ``slot_mapping[groups, bs]`` and ``block_table[bs, groups, max_blocks]`` (group g's table is the strided view
@@ -43,57 +51,73 @@ class CudaGraphRunner:
         max_model_len: int,
         device: torch.device,
         num_kv_groups: int = 1,
+        max_query_len: int = 1,
+        max_num_tokens: int | None = None,
     ) -> None:
+        """``max_query_len`` > 1 (speculative decoding: k + 1) adds the multi-token graphs, for the batch sizes
+        whose ``bs * max_query_len`` rows fit ``max_num_tokens``."""
         self.model = model
         self.kv_caches = kv_caches
         self.sizes = capture_sizes(max_num_seqs)
         self.max_bs = self.sizes[-1]
+        self.q = q = max(1, max_query_len)
+        limit = max_num_tokens if max_num_tokens is not None else self.max_bs * q
+        self.spec_sizes = [s for s in self.sizes if s * q <= limit] if q > 1 else []
         self.max_model_len = max_model_len
         self.device = device
         bs = self.max_bs
+        t = max(bs, self.spec_sizes[-1] * q if self.spec_sizes else 0)  # token rows
+        self.max_tokens = t
         self.max_blocks = max_blocks_per_req
         self.num_groups = g = num_kv_groups
         # Static device buffers (the graphs' inputs), as views of two flat buffers so that one step's inputs
         # arrive in two host-to-device copies:
-        #   i64: [input_ids (bs) | positions (bs) | slot_mapping (groups * bs)]
-        #   i32: [seq_lens (bs) | block_table (bs * groups * max_blocks)]
-        self.dev_i64 = torch.zeros((2 + g) * bs, dtype=torch.long, device=device)
-        self.dev_i32 = torch.zeros(bs + bs * g * max_blocks_per_req, dtype=torch.int32, device=device)
-        self.input_ids = self.dev_i64[:bs]  # [bs]
-        self.positions = self.dev_i64[bs : 2 * bs]  # [bs]
-        self.slot_mapping = self.dev_i64[2 * bs :].view(g, bs)  # [groups, bs]
+        #   i64: [input_ids (t) | positions (t) | slot_mapping (groups * t)]
+        #   i32: [seq_lens (bs) | query_start_loc (bs + 1) | block_table (bs * groups * max_blocks)]
+        self.dev_i64 = torch.zeros((2 + g) * t, dtype=torch.long, device=device)
+        self.dev_i32 = torch.zeros(2 * bs + 1 + bs * g * max_blocks_per_req, dtype=torch.int32, device=device)
+        self.input_ids = self.dev_i64[:t]  # [t]
+        self.positions = self.dev_i64[t : 2 * t]  # [t]
+        self.slot_mapping = self.dev_i64[2 * t :].view(g, t)  # [groups, t]
         self.seq_lens = self.dev_i32[:bs]  # [bs]
-        self.block_table = self.dev_i32[bs:].view(bs, g, max_blocks_per_req)  # [bs, groups, max_blocks]
+        self.spec_query_start_loc = self.dev_i32[bs : 2 * bs + 1]  # [bs + 1] (multi-token graphs)
+        self.block_table = self.dev_i32[2 * bs + 1 :].view(
+            bs, g, max_blocks_per_req
+        )  # [bs, groups, max_blocks]
         self.slot_mapping.fill_(-1)
         self.seq_lens.fill_(1)
-        self.query_start_loc = torch.arange(bs + 1, dtype=torch.int32, device=device)  # [bs + 1]
+        self.query_start_loc = torch.arange(
+            bs + 1, dtype=torch.int32, device=device
+        )  # [bs + 1] (pure decode)
         # Pinned host twins, two of each used in turn: with async scheduling the host fills step N+1's inputs
         # while step N's copy may still wait in the stream. Step N-1's copy, the last user of the other twin, is
         # done by then (the engine has read step N-1's sampled ids, which the stream produced after that copy).
-        self.host_i64 = [torch.zeros((2 + g) * bs, dtype=torch.long, pin_memory=True) for _ in range(2)]
+        self.host_i64 = [torch.zeros((2 + g) * t, dtype=torch.long, pin_memory=True) for _ in range(2)]
         self.host_i32 = [
-            torch.zeros(bs + bs * g * max_blocks_per_req, dtype=torch.int32, pin_memory=True)
-            for _ in range(2)
+            torch.zeros(self.dev_i32.numel(), dtype=torch.int32, pin_memory=True) for _ in range(2)
         ]
         self._turn = 0
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (batch size, query length) -> graph
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.num_replays: dict[tuple[int, int], int] = {}
 
-    def _metadata(self, bs: int) -> AttentionMetadata:
+    def _metadata(self, bs: int, q: int = 1) -> AttentionMetadata:
+        t = bs * q
         return AttentionMetadata(
             num_reqs=bs,
-            num_tokens=bs,
-            max_query_len=1,
+            num_tokens=t,
+            max_query_len=q,
             max_seq_len=self.max_model_len,
-            query_start_loc=self.query_start_loc[: bs + 1],
+            query_start_loc=(self.query_start_loc if q == 1 else self.spec_query_start_loc)[: bs + 1],
             seq_lens=self.seq_lens[:bs],
             block_table=self.block_table[:bs, 0],
-            slot_mapping=self.slot_mapping[0, :bs],
-            query_start_loc_cpu=torch.arange(bs + 1, dtype=torch.int32),
-            seq_lens_cpu=torch.ones(bs, dtype=torch.int32),
-            is_pure_decode=True,
+            slot_mapping=self.slot_mapping[0, :t],
+            # Placeholders: with the Triton backend nothing reads these host twins (graphs need no host data)
+            query_start_loc_cpu=torch.arange(bs + 1, dtype=torch.int32) * q,
+            seq_lens_cpu=torch.full((bs,), q, dtype=torch.int32),
+            is_pure_decode=q == 1,
             kv_group_tables=tuple(
-                (self.block_table[:bs, g], self.slot_mapping[g, :bs]) for g in range(1, self.num_groups)
+                (self.block_table[:bs, g], self.slot_mapping[g, :t]) for g in range(1, self.num_groups)
             ),
         )
 
@@ -106,32 +130,44 @@ class CudaGraphRunner:
         # large KV cache's) may still be queued there, and reading them unfilled feeds garbage token ids to the
         # embedding (a device-side assert seen when the cache was tens of GiB).
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
-            meta = self._metadata(bs)
-            args = (self.input_ids[:bs], self.positions[:bs], self.kv_caches, meta)
+        # Multi-token graphs first (the most rows: the pool's largest), captured over requests of q tokens each.
+        keys = [(bs, self.q) for bs in reversed(self.spec_sizes)] + [(bs, 1) for bs in reversed(self.sizes)]
+        for bs, q in keys:
+            self.seq_lens.fill_(q)  # a valid batch while capturing: q tokens per request, no context
+            if q > 1:
+                self.spec_query_start_loc.copy_(torch.arange(self.max_bs + 1, device=self.device) * q)
+            meta = self._metadata(bs, q)
+            args = (self.input_ids[: bs * q], self.positions[: bs * q], self.kv_caches, meta)
             with torch.cuda.stream(stream):
                 # Warm-up: Triton compilation and lazy library set-up happen outside capture. The first (largest)
-                # size runs twice; later sizes once, which compiles any specialization they add.
-                for _ in range(2 if bs == self.max_bs else 1):
+                # size of each kind runs twice; later sizes once, which compiles any specialization they add.
+                for _ in range(2 if bs == (self.spec_sizes[-1] if q > 1 else self.max_bs) else 1):
                     self.model(*args)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self.outputs[bs] = self.model(*args)
-            self.graphs[bs] = graph
+                self.outputs[(bs, q)] = self.model(*args)
+            self.graphs[(bs, q)] = graph
         torch.cuda.synchronize(self.device)
         logger.info(
-            "captured CUDA graphs for %d decode batch sizes (1..%d) in %.1f s",
+            "captured CUDA graphs for %d decode batch sizes (1..%d)%s in %.1f s",
             len(self.sizes),
             self.max_bs,
+            f" and {len(self.spec_sizes)} of {self.q} tokens per request" if self.spec_sizes else "",
             time.perf_counter() - start,
         )
 
-    def padded_size(self, num_reqs: int) -> int | None:
-        for s in self.sizes:
+    def padded_size(self, num_reqs: int, q: int = 1) -> int | None:
+        for s in self.sizes if q == 1 else self.spec_sizes:
             if s >= num_reqs:
                 return s
         return None
+
+    def can_run(self, num_reqs: int, num_tokens: int, max_query_len: int) -> bool:
+        """A step of ``num_reqs`` requests computing ``num_tokens`` tokens, none more than ``max_query_len``."""
+        if max_query_len == 1:
+            return num_reqs <= self.max_bs
+        return max_query_len <= self.q and self.padded_size(num_reqs, self.q) is not None
 
     def run(
         self,
@@ -141,33 +177,46 @@ class CudaGraphRunner:
         seq_lens: np.ndarray,  # [n] int32
         block_table: np.ndarray,  # [groups, n, nb] int32
         input_patch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:  # [n, hidden_size], a view of the graph's output (valid until the next replay)
+        query_start_loc: np.ndarray
+        | None = None,  # [n + 1] the requests' token offsets (None: one token each)
+    ) -> (
+        torch.Tensor
+    ):  # [num_tokens, hidden_size], a view of the graph's output (valid until the next replay)
         """``input_patch`` = (dst, src, values): ``input_ids[dst] = values[src]`` on the device before the
         replay (tokens sampled by the previous, still running step)."""
-        n = input_ids.shape[0]
-        bs = self.padded_size(n)
+        num_tokens = input_ids.shape[0]
+        n = seq_lens.shape[0]
+        q = 1 if num_tokens == n else self.q
+        bs = self.padded_size(n, q)
+        rows = bs * q  # the graph's token rows; the step's tokens are the first num_tokens
         nb = block_table.shape[2]
-        m, mb, g = self.max_bs, self.max_blocks, self.num_groups
+        m, t, mb, g = self.max_bs, self.max_tokens, self.max_blocks, self.num_groups
         host_i64, host_i32 = self.host_i64[self._turn], self.host_i32[self._turn]
         self._turn ^= 1
         h64, h32 = host_i64.numpy(), host_i32.numpy()
-        h64[:n] = input_ids
-        h64[m : m + n] = positions
-        slots = h64[2 * m :].reshape(g, m)
-        slots[:, :n] = slot_mapping
-        h64[n:bs] = 0
-        h64[m + n : m + bs] = 0
-        slots[:, n:bs] = -1  # padding rows write no keys
+        h64[:num_tokens] = input_ids
+        h64[t : t + num_tokens] = positions
+        slots = h64[2 * t :].reshape(g, t)
+        slots[:, :num_tokens] = slot_mapping
+        h64[num_tokens:rows] = 0
+        h64[t + num_tokens : t + rows] = 0
+        slots[:, num_tokens:rows] = -1  # padding rows write no keys
         h32[:n] = seq_lens
-        h32[n:bs] = 1  # padding rows attend to one (ignored) key
-        table = h32[m:].reshape(m, g, mb)
+        # Pure decode: padding requests attend to one (ignored) key. Multi-token: they have no tokens, no context.
+        h32[n:bs] = 1 if q == 1 else 0
+        if q > 1:
+            qsl = h32[m : 2 * m + 1]
+            qsl[: n + 1] = query_start_loc
+            qsl[n + 1 : bs + 1] = num_tokens
+        table = h32[2 * m + 1 :].reshape(m, g, mb)
         table[:n, :, :nb] = block_table.transpose(1, 0, 2)
         table[n:bs, :, :nb] = 0
         self.dev_i64.copy_(host_i64, non_blocking=True)
-        end = m + bs * g * mb
+        end = 2 * m + 1 + bs * g * mb
         self.dev_i32[:end].copy_(host_i32[:end], non_blocking=True)
         if input_patch is not None:
             dst, src, values = input_patch
             self.input_ids[dst] = values[src]
-        self.graphs[bs].replay()
-        return self.outputs[bs][:n]
+        self.graphs[(bs, q)].replay()
+        self.num_replays[(bs, q)] = self.num_replays.get((bs, q), 0) + 1
+        return self.outputs[(bs, q)][:num_tokens]

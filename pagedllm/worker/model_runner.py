@@ -105,6 +105,11 @@ class ModelRunner:
         # EAGLE drafts read each step's hidden states (StepInFlight.draft_hidden); such steps run eagerly.
         spec = config.speculative_config
         self.keep_hidden = spec is not None and spec.method in ("eagle", "eagle3")
+        # Steps of at most this many tokens per request also replay CUDA graphs: k + 1 with speculative decoding
+        # (verification; a draft model's runner gets it from its proposer, for its catch-up passes). MLA plans its
+        # multi-token steps on the host, so those stay eager.
+        mla = getattr(config.model_config.hf_config, "kv_lora_rank", None) is not None
+        self.graph_query_len = 1 if spec is None or mla else 1 + spec.num_speculative_tokens
 
     # ------------------------------------------------------------------ LoRA
 
@@ -311,6 +316,8 @@ class ModelRunner:
             self.max_model_len,
             self.device,
             self.kv_layout.num_groups,
+            max_query_len=self.graph_query_len,
+            max_num_tokens=self.max_num_tokens,
         )
         if self.lora_manager is not None:
             # Graphs record the LoRA kernels whatever the step's adapters; rows without one (and padding
@@ -410,10 +417,11 @@ class ModelRunner:
                 prev.sampled,
             )
         self._lora_mapping(rows, num_sched)
-        is_pure_decode = bool((num_sched == 1).all())
-        if self.graph_runner is not None and is_pure_decode and n <= self.graph_runner.max_bs:
+        max_query_len = int(num_sched.max())
+        is_pure_decode = max_query_len == 1
+        if self.graph_runner is not None and self.graph_runner.can_run(n, num_tokens, max_query_len):
             hidden = self.graph_runner.run(
-                input_ids, positions, slot_mapping, seq_lens, block_table, input_patch
+                input_ids, positions, slot_mapping, seq_lens, block_table, input_patch, cu
             )
         else:
             qsl_cpu = torch.from_numpy(cu.astype(np.int32))
@@ -423,7 +431,7 @@ class ModelRunner:
             meta = AttentionMetadata(
                 num_reqs=n,
                 num_tokens=num_tokens,
-                max_query_len=int(num_sched.max()),
+                max_query_len=max_query_len,
                 max_seq_len=int(seq_lens.max()),
                 query_start_loc=qsl_cpu.to(dev, non_blocking=True),
                 seq_lens=seq_lens_cpu.to(dev, non_blocking=True),

@@ -49,3 +49,39 @@ def test_spec_decode_on_gpu_close_to_plain(tiny_model_dirs, method):
     if method == "draft_self":
         assert stats.spec_num_accepted_tokens >= 0.9 * stats.spec_num_draft_tokens
     llm.llm_engine.check_integrity()
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_self"])
+def test_verification_replays_graphs_and_matches_eager(tiny_model_dirs, method):
+    """Verification steps (up to k + 1 tokens a request, drafts of any count, requests joining and leaving) and the
+    draft model's catch-up passes replay the multi-token CUDA graphs, with the eager engine's greedy output
+    (float32: any difference would be a wrong token, not rounding)."""
+    path = tiny_model_dirs["llama"]
+    spec = {
+        "ngram": {
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "prompt_lookup_max": 3,
+            "prompt_lookup_min": 1,
+        },
+        # The target as its own draft accepts every draft, so its catch-up passes compute 2 tokens a request
+        # (a draft that is always rejected would catch up 1 token a request: pure decode graphs).
+        "draft_self": {"model": path, "num_speculative_tokens": 3},
+    }[method]
+    kw = dict(dtype="float32", device="cuda", kv_cache_memory_bytes=64 * 2**20, max_model_len=512)
+    eager = LLM(path, speculative_config=spec, enforce_eager=True, **kw)
+    graphed = LLM(path, speculative_config=spec, **kw)
+    prompts = [{"prompt_token_ids": p} for p in _prompts(graphed.llm_engine.engine_core.vocab_size)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=8 + 7 * i, ignore_eos=True) for i in range(len(prompts))
+    ]
+    want = eager.generate(prompts, params, use_tqdm=False)
+    got = graphed.generate(prompts, params, use_tqdm=False)
+    assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
+    runner = graphed.llm_engine.engine_core.runner.graph_runner
+    assert runner.q == 4 and sum(c for (_, q), c in runner.num_replays.items() if q == 4) > 0
+    if method == "draft_self":
+        draft = graphed.llm_engine.engine_core.proposer.runner.graph_runner
+        assert sum(c for (_, q), c in draft.num_replays.items() if q == 4) > 0
+    assert graphed.llm_engine.get_stats().spec_num_accepted_tokens > 0
+    graphed.llm_engine.check_integrity()
