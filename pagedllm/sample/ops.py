@@ -126,7 +126,22 @@ def apply_token_bitmask_(
     bitmask: torch.Tensor,  # [num_reqs, ceil(vocab_size / 32)] int32; bit j of word w allows token 32 * w + j
 ) -> torch.Tensor:
     """Structured outputs: set every token the row's grammar does not allow to ``-inf`` (rows whose words are all
-    ``-1`` are unchanged). Bits past ``vocab_size`` are ignored."""
+    ``-1`` are unchanged). Bits past ``vocab_size`` are ignored. On CUDA a Triton kernel does it in one pass
+    (``pagedllm/kernels/token_bitmask.py``); this function's body elsewhere is its twin."""
+    from pagedllm.platform import use_fused_kernels
+
+    if use_fused_kernels(logits):
+        from pagedllm.kernels.token_bitmask import apply_token_bitmask_triton_
+
+        return apply_token_bitmask_triton_(logits, bitmask)
+    return apply_token_bitmask_ref_(logits, bitmask)
+
+
+def apply_token_bitmask_ref_(
+    logits: torch.Tensor,  # [num_reqs, vocab_size] float32
+    bitmask: torch.Tensor,  # [num_reqs, ceil(vocab_size / 32)] int32
+) -> torch.Tensor:
+    """The PyTorch twin of the Triton bitmask kernel (and the CPU path)."""
     num_reqs, vocab_size = logits.shape
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)  # [32]
     allowed = (bitmask.unsqueeze(-1) >> shifts) & 1  # [num_reqs, num_words, 32]; >> of int32 keeps the bit

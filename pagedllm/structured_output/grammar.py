@@ -10,6 +10,8 @@ xgrammar is imported on first use: a server that never sees a constrained reques
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Sequence
 from typing import Any
 
 from pagedllm.sampling_params import StructuredOutputsParams
@@ -92,6 +94,54 @@ def _strict_json_strings(grammar: Any) -> Any:
     for c in _STRING_CHARS:
         text = text.replace(c, _STRICT_STRING_CHAR)
     return _xgr().Grammar.from_ebnf(text)
+
+
+# ---------------------------------------------------------------------------------------- in-string mask reuse
+# Inside a JSON string with no length or pattern constraint, a token made only of characters the string takes as
+# they are (no quote, no backslash, no control character, whole UTF-8 characters) leaves the request in the same
+# string with the same continuations allowed, so its next mask is the one it had (manager.py reuses it). The
+# string rules this holds for are recognised by their exact text in the compiled grammar; anything else (a
+# pattern, a length bound, another xgrammar version's wording) is simply not recognised and always filled.
+
+
+def _string_rule_pattern() -> re.Pattern:
+    name = r"(?P<name>[A-Za-z_][A-Za-z0-9_]*)"
+    body = (
+        r'\(\("\\""\) \| \(' + re.escape(_STRICT_STRING_CHAR) + r" (?P=name)\) \| "
+        r'\("\\\\" [A-Za-z_][A-Za-z0-9_]* (?P=name)\)\)'
+    )
+    return re.compile(rf"{name} ::= {body}(?: \(=\(.*\)\))?")
+
+
+_STRING_RULE = _string_rule_pattern()
+
+
+def string_loop_rules(compiled_grammar_text: str) -> frozenset[int]:
+    """Ids (print order) of the rules of a compiled grammar's text that read exactly
+    ``R ::= (("\\"") | ([<strict string char>] R) | ("\\\\" <escape> R))``, optionally with a lookahead: the
+    body of a JSON string with no constraint, after ``_strict_json_strings``."""
+    rules = compiled_grammar_text.splitlines()
+    if any(not re.match(r"[A-Za-z_][A-Za-z0-9_]* ::= ", line) for line in rules):
+        return frozenset()  # a line that is not one whole rule: numbering unknown, reuse nothing
+    return frozenset(i for i, line in enumerate(rules) if _STRING_RULE.fullmatch(line))
+
+
+def plain_string_tokens(decoded_vocab: list[bytes], vocab_size: int, special_ids: Sequence[int] = ()) -> bytes:
+    """``vocab_size`` flags: 1 where the token's bytes are whole UTF-8 characters that a JSON string's strict
+    character class takes one by one (not ``"``, ``\\``, U+0000-U+001F; surrogates cannot decode). Special
+    tokens are never plain."""
+    flags = bytearray(vocab_size)
+    special = set(special_ids)
+    for i, b in enumerate(decoded_vocab[:vocab_size]):
+        if not b or i in special:
+            continue
+        try:
+            text = b.decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        if all(c >= " " and c != '"' and c != "\\" for c in text):
+            flags[i] = 1
+    return bytes(flags)
 
 
 _VALIDATED: dict[tuple, bool] = {}  # keys of constraints that built, so a repeated schema is checked once
