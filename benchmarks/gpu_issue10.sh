@@ -27,40 +27,10 @@ if [ "${1:-}" = demo-tokenizer ]; then  # (or: profile, below)
   tok=pagedllm/demo_model
 else
   t0=$(date +%s)
-  $py - "$tok" <<'EOF'
-import os, sys
-import transformers
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
-
-# ~120 MB of Python source in sorted order, the standard library's then the installed packages' (the same image
-# gives the same tokenizer; one project's sources alone repeat too much to reach 151,643 merges).
-files, size = [], 0
-for top in (os.path.dirname(os.__file__), os.path.dirname(os.path.dirname(transformers.__file__))):
-    for root, dirs, names in os.walk(top):
-        dirs.sort()
-        dirs[:] = [d for d in dirs if d not in ("site-packages", "dist-packages", "__pycache__")]
-        for name in sorted(names):
-            if name.endswith(".py") and size < 120e6:
-                files.append(os.path.join(root, name))
-                size += os.path.getsize(files[-1])
-
-def texts():
-    for path in files:
-        with open(path, encoding="utf-8", errors="ignore") as f:
-            yield f.read()
-
-tok = Tokenizer(models.BPE())
-tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-tok.decoder = decoders.ByteLevel()
-trainer = trainers.BpeTrainer(
-    vocab_size=151643, min_frequency=2, special_tokens=["<|endoftext|>"],
-    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
-)
-tok.train_from_iterator(texts(), trainer)
-PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(sys.argv[1])
-print(f"tokenizer: {tok.get_vocab_size()} tokens from {len(files)} files ({size / 1e6:.0f} MB)")
-EOF
+  # ~120 MB of Python source in sorted order, the standard library's then the installed packages' (the same image
+  # gives the same tokenizer); the trainer is grammar_fill_bench.py's, which measures the same tokenizer.
+  $py -c "import sys; sys.path.insert(0, 'benchmarks'); from grammar_fill_bench import train_tokenizer
+train_tokenizer(sys.argv[1], 151643, 120)" "$tok"
   echo "    ($(( $(date +%s) - t0 )) s)"
 fi
 # Decode-heavy (256 rows decoding together most of the run), where the per-step bitmask work shows most.

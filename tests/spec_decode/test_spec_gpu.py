@@ -18,19 +18,24 @@ def _prompts(vocab: int) -> list[list[int]]:
     return prompts + [[7, 8, 9, 10] * 8]
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_self", "draft_other"])
-def test_spec_decode_on_gpu_close_to_plain(tiny_model_dirs, method):
-    path = tiny_model_dirs["llama"]
-    spec = {
+def _spec(method: str, tiny_model_dirs: dict) -> dict:
+    """k = 3 drafts for the tiny llama: prompt lookup, itself as draft (every draft accepted), or qwen3 as draft."""
+    return {
         "ngram": {
             "method": "ngram",
             "num_speculative_tokens": 3,
             "prompt_lookup_max": 3,
             "prompt_lookup_min": 1,
         },
-        "draft_self": {"model": path, "num_speculative_tokens": 3},
+        "draft_self": {"model": tiny_model_dirs["llama"], "num_speculative_tokens": 3},
         "draft_other": {"model": tiny_model_dirs["qwen3"], "num_speculative_tokens": 3},
     }[method]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_self", "draft_other"])
+def test_spec_decode_on_gpu_close_to_plain(tiny_model_dirs, method):
+    path = tiny_model_dirs["llama"]
+    spec = _spec(method, tiny_model_dirs)
     kw = dict(dtype="bfloat16", device="cuda", kv_cache_memory_bytes=64 * 2**20, max_model_len=512)
     plain = LLM(path, **kw)
     llm = LLM(path, speculative_config=spec, **kw)
@@ -55,19 +60,10 @@ def test_spec_decode_on_gpu_close_to_plain(tiny_model_dirs, method):
 def test_verification_replays_graphs_and_matches_eager(tiny_model_dirs, method):
     """Verification steps (up to k + 1 tokens a request, drafts of any count, requests joining and leaving) and the
     draft model's catch-up passes replay the multi-token CUDA graphs, with the eager engine's greedy output
-    (float32: any difference would be a wrong token, not rounding)."""
+    (float32: any difference would be a wrong token, not rounding). With draft_self every draft is accepted, so
+    the draft's catch-up passes compute 2 tokens a request (an always-rejected draft catches up 1: pure decodes)."""
     path = tiny_model_dirs["llama"]
-    spec = {
-        "ngram": {
-            "method": "ngram",
-            "num_speculative_tokens": 3,
-            "prompt_lookup_max": 3,
-            "prompt_lookup_min": 1,
-        },
-        # The target as its own draft accepts every draft, so its catch-up passes compute 2 tokens a request
-        # (a draft that is always rejected would catch up 1 token a request: pure decode graphs).
-        "draft_self": {"model": path, "num_speculative_tokens": 3},
-    }[method]
+    spec = _spec(method, tiny_model_dirs)
     kw = dict(dtype="float32", device="cuda", kv_cache_memory_bytes=64 * 2**20, max_model_len=512)
     eager = LLM(path, speculative_config=spec, enforce_eager=True, **kw)
     graphed = LLM(path, speculative_config=spec, **kw)
