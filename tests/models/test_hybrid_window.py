@@ -204,8 +204,8 @@ def test_cuda_graph_inputs_per_group(monkeypatch) -> None:
     groups, max_blocks = 3, 10
     runner = cuda_graphs.CudaGraphRunner(None, [], 8, max_blocks, 40, torch.device("cpu"), groups)
     for bs in runner.sizes:
-        runner.graphs[bs] = type("Graph", (), {"replay": lambda self: None})()
-        runner.outputs[bs] = torch.zeros(bs, 4)
+        runner.graphs[(bs, 1)] = type("Graph", (), {"replay": lambda self: None})()
+        runner.outputs[(bs, 1)] = torch.zeros(bs, 4)
     rng = np.random.default_rng(0)
     n, nb = 3, 5
     table = rng.integers(0, 100, size=(groups, n, nb)).astype(np.int32)  # [groups, n, nb]
@@ -221,6 +221,56 @@ def test_cuda_graph_inputs_per_group(monkeypatch) -> None:
         assert view.block_table.shape == (bs, max_blocks) and view.block_table.stride(1) == 1
         assert view.slot_mapping.is_contiguous()
     assert torch.equal(runner.seq_lens[:bs], torch.tensor([5, 6, 7, 1], dtype=torch.int32))
+
+
+def test_multi_token_graph_inputs(monkeypatch) -> None:
+    """Speculative decoding's graphs (up to q = k + 1 tokens a request): the step's tokens come first in their
+    flattened order with the real query_start_loc; padding requests get no tokens and no context; padding rows
+    write no keys. Checked on the host as above (a replay does nothing)."""
+    import numpy as np
+    import torch
+
+    from pagedllm.worker import cuda_graphs
+
+    zeros = torch.zeros
+    monkeypatch.setattr(cuda_graphs.torch, "zeros", lambda *a, pin_memory=False, **k: zeros(*a, **k))
+    groups, max_blocks, q = 2, 10, 4
+    runner = cuda_graphs.CudaGraphRunner(
+        None, [], 8, max_blocks, 40, torch.device("cpu"), groups, max_query_len=q, max_num_tokens=16
+    )
+    assert runner.spec_sizes == [1, 2, 4] and runner.max_tokens == 16  # bs * q within the token budget
+    for key in [(bs, 1) for bs in runner.sizes] + [(bs, q) for bs in runner.spec_sizes]:
+        runner.graphs[key] = type("Graph", (), {"replay": lambda self: None})()
+        runner.outputs[key] = torch.arange(key[0] * key[1] * 2, dtype=torch.float32).view(-1, 2)
+    assert runner.can_run(3, 7, 4) and not runner.can_run(3, 7, 5) and not runner.can_run(5, 9, 2)
+    assert runner.can_run(8, 8, 1)  # pure decodes keep their own graphs, up to max_num_seqs
+    counts = np.array([1, 4, 2])  # a decode without drafts, one with 3 drafts, one with 1
+    cu = np.concatenate([[0], np.cumsum(counts)])
+    num_tokens = int(cu[-1])
+    rng = np.random.default_rng(1)
+    table = rng.integers(0, 100, size=(groups, 3, 5)).astype(np.int32)
+    slots = rng.integers(0, 1000, size=(groups, num_tokens))
+    seq_lens = np.array([9, 12, 20], dtype=np.int32)
+    ids = np.arange(100, 100 + num_tokens)
+    hidden = runner.run(ids, np.arange(num_tokens), slots, seq_lens, table, None, cu)
+    bs, rows = 4, 16
+    assert runner.num_replays == {(bs, q): 1}
+    assert torch.equal(hidden, runner.outputs[(bs, q)][:num_tokens])  # the step's rows, in order
+    assert torch.equal(runner.spec_query_start_loc[: bs + 1], torch.tensor([0, 1, 5, 7, 7], dtype=torch.int32))
+    assert torch.equal(runner.seq_lens[:bs], torch.tensor([9, 12, 20, 0], dtype=torch.int32))
+    assert torch.equal(runner.input_ids[:num_tokens], torch.from_numpy(ids))
+    assert (runner.input_ids[num_tokens:rows] == 0).all() and (runner.positions[num_tokens:rows] == 0).all()
+    meta = runner._metadata(bs, q)
+    assert (meta.num_reqs, meta.num_tokens, meta.max_query_len, meta.is_pure_decode) == (bs, rows, q, False)
+    for g in range(groups):
+        view = meta.for_kv_group(g)
+        assert torch.equal(view.slot_mapping[:num_tokens], torch.from_numpy(slots[g]))
+        assert (view.slot_mapping[num_tokens:rows] == -1).all()  # padding rows write no keys
+        assert torch.equal(view.block_table[:3, :5], torch.from_numpy(table[g]))
+        assert (view.block_table[3:bs, :5] == 0).all()
+    # A pure-decode step after it goes back to the one-token graphs and their fixed query_start_loc.
+    runner.run(ids[:3], np.arange(3), slots[:, :3], seq_lens, table)
+    assert runner.num_replays[(4, 1)] == 1 and torch.equal(runner.seq_lens[:4], torch.tensor([9, 12, 20, 1]).int())
 
 
 def test_every_groups_metadata_is_contiguous(hybrid_dirs, monkeypatch):
