@@ -324,18 +324,24 @@ def evaluate(
 ) -> float:
     """Mean next-token loss over consecutive non-overlapping windows of the held-out stream."""
     model.eval()
-    seq_len = min(seq_len, data.numel() - 1)
-    num_windows = max(1, min((data.numel() - 1) // seq_len, max(1, max_tokens // seq_len)))
     total, count = 0.0, 0
-    for first in range(0, num_windows, batch_size):
-        rows = range(first, min(first + batch_size, num_windows))
-        idx = torch.tensor([r * seq_len for r in rows])[:, None] + torch.arange(seq_len + 1)
-        window = data[idx.to(data.device)]  # [rows, seq_len + 1]
+    for window in heldout_windows(data, seq_len, batch_size, max_tokens):
         loss = lm_loss(model, window[:, :-1], window[:, 1:], autocast_dtype)
         total += loss.item() * window.shape[0]
         count += window.shape[0]
     model.train()
     return total / count
+
+
+def heldout_windows(data: torch.Tensor, seq_len: int, batch_size: int, max_tokens: int):
+    """Consecutive non-overlapping windows of ``seq_len + 1`` tokens of ``data`` (at most ``max_tokens`` tokens),
+    ``batch_size`` at a time: ``[rows, seq_len + 1]`` each."""
+    seq_len = min(seq_len, data.numel() - 1)
+    num_windows = max(1, min((data.numel() - 1) // seq_len, max(1, max_tokens // seq_len)))
+    for first in range(0, num_windows, batch_size):
+        rows = range(first, min(first + batch_size, num_windows))
+        idx = torch.tensor([r * seq_len for r in rows])[:, None] + torch.arange(seq_len + 1)
+        yield data[idx.to(data.device)]
 
 
 def pick_device(name: str) -> torch.device:

@@ -197,16 +197,12 @@ def evaluate(
     target, head, data: torch.Tensor, seq_len: int, batch_size: int, autocast_dtype, max_tokens: int
 ):
     head.eval()
-    seq_len = min(seq_len, data.numel() - 1)
-    num_windows = max(1, min((data.numel() - 1) // seq_len, max(1, max_tokens // seq_len)))
     sums, count = {"feature": 0.0, "distill": 0.0, "agree": 0.0}, 0
-    for first in range(0, num_windows, batch_size):
-        rows = range(first, min(first + batch_size, num_windows))
-        idx = torch.tensor([r * seq_len for r in rows])[:, None] + torch.arange(seq_len + 1)
-        losses = head_losses(target, head, data[idx.to(data.device)], autocast_dtype, 0.0)
+    for window in _demo_trainer().heldout_windows(data, seq_len, batch_size, max_tokens):
+        losses = head_losses(target, head, window, autocast_dtype, 0.0)
         for name in sums:
-            sums[name] += losses[name].item() * len(rows)
-        count += len(rows)
+            sums[name] += losses[name].item() * window.shape[0]
+        count += window.shape[0]
     head.train()
     return {name: round(total / count, 4) for name, total in sums.items()}
 

@@ -48,6 +48,8 @@ def text_prompts(paths: list[str], tokenizer: Any, batch_size: int, input_len: i
     """``batch_size`` windows of ``input_len`` tokens, evenly spaced over the files' joined tokens."""
     files: list[Path] = []
     for path in map(Path, paths):
+        if not path.exists():
+            raise ValueError(f"--prompts-from: no such file or directory: {path}")
         files.extend(sorted(path.rglob("*.py")) if path.is_dir() else [path])
     stream: list[int] = []
     for path in files:

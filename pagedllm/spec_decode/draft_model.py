@@ -97,8 +97,7 @@ class DraftModelProposer:
         """A draft cache of the target's ``num_blocks`` blocks, addressed by the target's block tables."""
         self.runner.init_kv_cache(num_blocks)
         # Catch-up passes compute the tokens the target kept (at most k + 1 a request): graphed like verification.
-        mla = getattr(self.runner.config.model_config.hf_config, "kv_lora_rank", None) is not None
-        self.runner.graph_query_len = 1 if mla else self.k + 1
+        self.runner.graph_query_len = self.k + 1
         self.runner.maybe_capture_cuda_graphs()
         self.kv = kv
 

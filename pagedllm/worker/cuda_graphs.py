@@ -81,14 +81,12 @@ class CudaGraphRunner:
         self.slot_mapping = self.dev_i64[2 * t :].view(g, t)  # [groups, t]
         self.seq_lens = self.dev_i32[:bs]  # [bs]
         self.spec_query_start_loc = self.dev_i32[bs : 2 * bs + 1]  # [bs + 1] (multi-token graphs)
-        self.block_table = self.dev_i32[2 * bs + 1 :].view(
-            bs, g, max_blocks_per_req
-        )  # [bs, groups, max_blocks]
+        # [bs, groups, max_blocks]
+        self.block_table = self.dev_i32[2 * bs + 1 :].view(bs, g, max_blocks_per_req)
         self.slot_mapping.fill_(-1)
         self.seq_lens.fill_(1)
-        self.query_start_loc = torch.arange(
-            bs + 1, dtype=torch.int32, device=device
-        )  # [bs + 1] (pure decode)
+        # [bs + 1]: the pure-decode graphs' fixed offsets (one token a request)
+        self.query_start_loc = torch.arange(bs + 1, dtype=torch.int32, device=device)
         # Pinned host twins, two of each used in turn: with async scheduling the host fills step N+1's inputs
         # while step N's copy may still wait in the stream. Step N-1's copy, the last user of the other twin, is
         # done by then (the engine has read step N-1's sampled ids, which the stream produced after that copy).
@@ -132,10 +130,9 @@ class CudaGraphRunner:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         # Multi-token graphs first (the most rows: the pool's largest), captured over requests of q tokens each.
         keys = [(bs, self.q) for bs in reversed(self.spec_sizes)] + [(bs, 1) for bs in reversed(self.sizes)]
+        self.spec_query_start_loc.copy_(torch.arange(self.max_bs + 1, device=self.device) * self.q)
         for bs, q in keys:
             self.seq_lens.fill_(q)  # a valid batch while capturing: q tokens per request, no context
-            if q > 1:
-                self.spec_query_start_loc.copy_(torch.arange(self.max_bs + 1, device=self.device) * q)
             meta = self._metadata(bs, q)
             args = (self.input_ids[: bs * q], self.positions[: bs * q], self.kv_caches, meta)
             with torch.cuda.stream(stream):
@@ -171,19 +168,17 @@ class CudaGraphRunner:
 
     def run(
         self,
-        input_ids: np.ndarray,  # [n] int64
-        positions: np.ndarray,  # [n] int64
-        slot_mapping: np.ndarray,  # [groups, n] int64
-        seq_lens: np.ndarray,  # [n] int32
+        input_ids: np.ndarray,  # [num_tokens] int64
+        positions: np.ndarray,  # [num_tokens] int64
+        slot_mapping: np.ndarray,  # [groups, num_tokens] int64
+        seq_lens: np.ndarray,  # [n] int32 (n requests)
         block_table: np.ndarray,  # [groups, n, nb] int32
         input_patch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-        query_start_loc: np.ndarray
-        | None = None,  # [n + 1] the requests' token offsets (None: one token each)
-    ) -> (
-        torch.Tensor
-    ):  # [num_tokens, hidden_size], a view of the graph's output (valid until the next replay)
-        """``input_patch`` = (dst, src, values): ``input_ids[dst] = values[src]`` on the device before the
-        replay (tokens sampled by the previous, still running step)."""
+        query_start_loc: np.ndarray | None = None,  # [n + 1] token offsets (None: one token a request)
+    ) -> torch.Tensor:
+        """The step's hidden states, ``[num_tokens, hidden_size]``: a view of the graph's output, valid until the
+        next replay. ``input_patch`` = (dst, src, values): ``input_ids[dst] = values[src]`` on the device before
+        the replay (tokens sampled by the previous, still running step)."""
         num_tokens = input_ids.shape[0]
         n = seq_lens.shape[0]
         q = 1 if num_tokens == n else self.q

@@ -106,10 +106,8 @@ class ModelRunner:
         spec = config.speculative_config
         self.keep_hidden = spec is not None and spec.method in ("eagle", "eagle3")
         # Steps of at most this many tokens per request also replay CUDA graphs: k + 1 with speculative decoding
-        # (verification; a draft model's runner gets it from its proposer, for its catch-up passes). MLA plans its
-        # multi-token steps on the host, so those stay eager.
-        mla = getattr(config.model_config.hf_config, "kv_lora_rank", None) is not None
-        self.graph_query_len = 1 if spec is None or mla else 1 + spec.num_speculative_tokens
+        # (verification; a draft model's runner gets it from its proposer, for its catch-up passes).
+        self.graph_query_len = 1 if spec is None else 1 + spec.num_speculative_tokens
 
     # ------------------------------------------------------------------ LoRA
 
@@ -308,6 +306,9 @@ class ModelRunner:
             or self.attn_backend.name != "triton"
         ):
             return
+        # MLA plans its multi-token steps on the host (meta.*_cpu): those stay eager.
+        mla = getattr(self.config.model_config.hf_config, "kv_lora_rank", None) is not None
+        query_len = 1 if mla else self.graph_query_len
         self.graph_runner = CudaGraphRunner(
             self.model,
             self.kv_caches,
@@ -316,7 +317,7 @@ class ModelRunner:
             self.max_model_len,
             self.device,
             self.kv_layout.num_groups,
-            max_query_len=self.graph_query_len,
+            max_query_len=query_len,
             max_num_tokens=self.max_num_tokens,
         )
         if self.lora_manager is not None:

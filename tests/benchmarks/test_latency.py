@@ -27,6 +27,8 @@ def test_text_prompts_are_spread_windows_of_the_files(tmp_path):
     assert text_prompts(paths, tok, batch_size=1, input_len=16) == [stream[:16]]
     with pytest.raises(ValueError, match="fewer than --input-len"):
         text_prompts(paths, tok, batch_size=1, input_len=len(stream) + 1)
+    with pytest.raises(ValueError, match="--prompts-from: no such file or directory: .*missing.py"):
+        text_prompts([str(tmp_path / "missing.py")], tok, batch_size=1, input_len=4)
 
 
 def test_bench_latency_with_text_prompts_and_ngram(tmp_path, capsys):
