@@ -3,9 +3,17 @@
 Two launches per layer (three when split-K kicks in for long decodes), no host syncs: everything the
 launchers size their grids from is a Python int already in :class:`AttentionMetadata`. See
 ``pagedllm/kernels/paged_attention.py`` for what the grid depends on (CUDA-graph capture).
+
+Mixed steps (prefill chunks and decodes together) whose batch starts with decodes, as the scheduler's order
+(running requests first) gives, attend in two launches: the leading decodes with the decode tiles (16 rows, one
+token's query heads; split-K when it pays), the rest with the prefill tiles. One launch for all would give each
+decode a prefill-sized tile (64 rows, of which only its ``group`` heads are real): the same keys read, but
+several times the tensor-core and softmax work, which makes the decodes of a mixed step compute-bound.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -32,22 +40,99 @@ class TritonAttentionBackend:
         sinks: torch.Tensor | None = None,  # [num_heads]
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; padding rows (past metadata.num_tokens) zero
         reshape_and_cache(key, value, kv_cache, metadata.slot_mapping, k_scale, v_scale)
-        out = paged_attention(
-            query,
-            kv_cache,
-            metadata.block_table,
-            metadata.seq_lens,
-            metadata.query_start_loc,
-            scale,
-            metadata.num_reqs,
-            metadata.max_query_len,
-            metadata.max_seq_len,
+        options = dict(
             sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap,
             k_scale=k_scale,
             v_scale=v_scale,
             sinks=sinks,
         )
+        split = (
+            None
+            if metadata.is_pure_decode
+            else metadata.derived("triton_decode_split", lambda: _split(metadata))
+        )
+        if split is None:
+            out = paged_attention(
+                query,
+                kv_cache,
+                metadata.block_table,
+                metadata.seq_lens,
+                metadata.query_start_loc,
+                scale,
+                metadata.num_reqs,
+                metadata.max_query_len,
+                metadata.max_seq_len,
+                **options,
+            )
+        else:
+            d = split.d
+            out = torch.empty_like(query)
+            paged_attention(
+                query[:d],
+                kv_cache,
+                metadata.block_table[:d],
+                metadata.seq_lens[:d],
+                metadata.query_start_loc[: d + 1],
+                scale,
+                d,
+                1,
+                split.decode_max_seq_len,
+                out=out[:d],
+                **options,
+            )
+            paged_attention(
+                query[d:],
+                kv_cache,
+                split.rest_block_table,
+                split.rest_seq_lens,
+                split.rest_query_start_loc,
+                scale,
+                metadata.num_reqs - d,
+                metadata.max_query_len,
+                split.rest_max_seq_len,
+                out=out[d:],
+                **options,
+            )
         if query.shape[0] > metadata.num_tokens:
             out[metadata.num_tokens :].zero_()  # the kernel leaves padding rows unwritten
         return out
+
+
+class _Split(NamedTuple):
+    """A mixed step's leading decodes (requests ..d) and the rest (requests d..), attended by separate launches."""
+
+    d: int
+    decode_max_seq_len: int
+    rest_block_table: torch.Tensor  # [num_reqs - d, max_blocks] int32
+    rest_seq_lens: torch.Tensor  # [num_reqs - d] int32
+    rest_query_start_loc: torch.Tensor  # [num_reqs - d + 1] int32, relative to token d
+    rest_max_seq_len: int
+
+
+def _split(metadata: AttentionMetadata) -> _Split | None:
+    """The split of a mixed step that starts with decodes. None for a step without leading decodes, and while a
+    CUDA graph is being captured (its replays may see other query lengths)."""
+    if metadata.query_start_loc.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    q_lens = (
+        metadata.query_start_loc_cpu[1 : metadata.num_reqs + 1]
+        - metadata.query_start_loc_cpu[: metadata.num_reqs]
+    )
+    not_decode = torch.nonzero(q_lens != 1)
+    if len(not_decode) == 0:
+        return None
+    d = int(not_decode[0])
+    if d == 0:
+        return None
+    seq_lens = metadata.seq_lens_cpu[: metadata.num_reqs]
+    # Fresh tensors, not views at an offset: an offset that is not 16-byte aligned makes Triton compile another
+    # variant of the kernel (seconds, mid-run).
+    return _Split(
+        d,
+        int(seq_lens[:d].max()),
+        metadata.block_table[d:].clone(),
+        metadata.seq_lens[d:].clone(),
+        metadata.query_start_loc[d:] - d,
+        int(seq_lens[d:].max()),
+    )

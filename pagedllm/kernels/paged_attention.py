@@ -151,7 +151,9 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
-@triton.jit
+# Integer arguments that change from step to step are not specialized on (by default Triton compiles a variant for
+# values equal to 1 and for multiples of 16): each variant is a JIT compile of seconds in the middle of a run.
+@triton.jit(do_not_specialize=["num_reqs", "part_ml_stride"])
 def _paged_attention_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim]
     kv_cache_ptr,  # [2, num_blocks, block_size, num_kv_heads, head_dim]: keys at 0, values at stride_kv
@@ -312,7 +314,7 @@ def _paged_attention_kernel(
         tl.store(part_ml_ptr + part_ml_stride + part_row, l_i, mask=row_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs", "part_ml_stride"])
 def _merge_splits_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
     part_acc_ptr,  # [num_tokens, num_heads, NUM_SPLITS, head_dim] fp32

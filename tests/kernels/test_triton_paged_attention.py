@@ -435,6 +435,29 @@ def test_triton_backend_matches_torch_interpret():
     check_backend(torch.float32, "cpu")
 
 
+# A mixed step that starts with decodes: they attend in a launch of their own (decode tiles), the rest (a decode
+# among them) in a second one, with query offsets made relative to the first token after the leading decodes.
+LEADING_DECODES = ((1, 40), (1, 9), (1, 70), (13, 30), (1, 5), (6, 6))
+
+
+@needs_interpreter
+def test_triton_backend_leading_decodes_interpret(monkeypatch):
+    import pagedllm.attention.triton_backend as backend
+
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(args[6:9])  # num_reqs, max_query_len, max_seq_len
+        return paged_attention(*args, **kwargs)
+
+    monkeypatch.setattr(backend, "paged_attention", counting)
+    check_backend(torch.float32, "cpu", LEADING_DECODES)
+    assert calls == [(3, 1, 70), (3, 13, 30)]
+    calls.clear()
+    check_backend(torch.float32, "cpu", LEADING_DECODES, sliding_window=20, logits_soft_cap=2.0)
+    assert len(calls) == 2
+
+
 # Windows that start mid-tile, cover whole tiles, exceed the context, or hold only the query itself.
 WINDOW_CASES = [(20, None), (7, None), (1, None), (500, None), (None, 2.0), (20, 2.0), (33, 0.5)]
 
@@ -561,10 +584,9 @@ def test_sinks_reference_matches_naive_softmax():
     assert (out - plain).abs().max() > 0.1  # the sinks matter in this batch
 
 
-def check_backend(dtype, device, **options):
+def check_backend(dtype, device, lens=((1, 40), (13, 30), (1, 9), (6, 6)), **options):
     """The whole backend step (cache write, attention) against TorchAttentionBackend on one batch; ``options``
     (sliding_window, logits_soft_cap) go to both."""
-    lens = [(1, 40), (13, 30), (1, 9), (6, 6)]
     num_heads, num_kv_heads, head_dim, block_size = 8, 2, 32, 16
     b = make_batch(lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, seed=3, pad_tokens=2)
     num_tokens = b["num_tokens"]
@@ -601,6 +623,14 @@ def check_backend(dtype, device, **options):
     assert out.shape == ref.shape
     assert torch.isfinite(out).all()  # padding rows are zeroed, like the reference
     assert rel_l2(out, ref) < TOL[dtype] + (1e-2 if dtype == torch.bfloat16 else 0)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_backend_leading_decodes_gpu(dtype):
+    check_backend(dtype, "cuda", LEADING_DECODES)
+    check_backend(dtype, "cuda", LEADING_DECODES, sliding_window=20, logits_soft_cap=2.0)
 
 
 # ------------------------------------------------------------------------------------ FP8 KV cache
