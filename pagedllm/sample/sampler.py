@@ -9,6 +9,10 @@ Order of operations (each step skipped when no row uses it)::
         │ / temperature; min-p; top-k; top-p
         └─► softmax ──► exponential race (per-row generator for seeded rows) ──► random rows
 
+On CUDA, a batch whose random rows are all unseeded and use no top-k, top-p or min-p (temperature only) samples
+them in one pass instead (Gumbel-max, ``pagedllm/kernels/gumbel_sample.py``): same law, no fp32 copies of the
+logits unless an edit above needs one.
+
 Logprobs are "raw": computed from the model's logits before any of the processing above.
 """
 
@@ -29,6 +33,21 @@ from pagedllm.sample.ops import (
     apply_top_k_top_p,
     random_sample,
 )
+
+
+def _fused_random(logits: torch.Tensor, metadata: SamplingMetadata) -> bool:
+    """Whether the random rows take the one-pass Gumbel-max kernel (module docstring)."""
+    from pagedllm.platform import use_fused_kernels
+
+    return (
+        not metadata.all_greedy
+        and not metadata.generators
+        and metadata.no_top_k
+        and metadata.no_top_p
+        and metadata.no_min_p
+        and logits.stride(-1) == 1
+        and use_fused_kernels(logits)
+    )
 
 
 @dataclass
@@ -88,7 +107,9 @@ class Sampler(nn.Module):
         metadata: SamplingMetadata,
     ) -> SamplerOutput:
         raw_logits = logits
-        logits = logits.float()  # [num_reqs, vocab_size]; aliases the input when it is already float32
+        fused = _fused_random(logits, metadata)
+        if metadata.needs_logits_edit or not fused:  # (the fused path reads any float dtype)
+            logits = logits.float()  # [num_reqs, vocab_size]; aliases the input when it is already float32
         if metadata.needs_logits_edit:
             if logits is raw_logits:
                 logits = logits.clone()
@@ -98,7 +119,15 @@ class Sampler(nn.Module):
         if metadata.all_greedy:
             sampled = greedy_ids
         else:
-            random_ids = self._sample_random(logits, metadata, owned=logits is not raw_logits)  # [num_reqs]
+            if fused:
+                from pagedllm.kernels.gumbel_sample import gumbel_sample
+
+                seed = int(torch.randint(2**31 - 1, (1,)))  # the default CPU generator: seeded runs repeat
+                random_ids = gumbel_sample(logits, metadata.temperature, seed)  # [num_reqs]
+            else:
+                random_ids = self._sample_random(
+                    logits, metadata, owned=logits is not raw_logits
+                )  # [num_reqs]
             if greedy_ids is None:
                 sampled = random_ids
             else:
