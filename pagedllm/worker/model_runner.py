@@ -325,6 +325,54 @@ class ModelRunner:
             # rows: LoRAMapping.update writes -1 past the step's tokens) have slot -1 and add nothing.
             self.lora_manager.set_mapping([], [], force_apply=True)
         self.graph_runner.capture()
+        self._warm_up_eager_steps()
+
+    @torch.inference_mode()
+    def _warm_up_eager_steps(self) -> None:
+        """Compile now (or load from Triton's cache) what eager mixed steps and sampling launch, instead of in the
+        middle of the first requests: a compile takes seconds on a cold cache. A mixed step's prefill tiles depend
+        on its longest chunk through the next power of two (``tile_config``), so one dummy step (a decode then a
+        chunk of L tokens, nothing written to the cache) per L in 2, 4, ..., 64 meets every variant; then the
+        one-pass sampler."""
+        dev = self.device
+        num_groups = self.kv_layout.num_groups
+        hidden = None
+        for chunk in (2, 4, 8, 16, 32, 64):
+            if chunk + 1 > self.max_num_tokens or chunk + 1 > self.max_model_len:
+                break
+            q_lens = [1, chunk]
+            n = sum(q_lens)
+            qsl = torch.tensor([0, 1, n], dtype=torch.int32)
+            seq_lens = torch.tensor(q_lens, dtype=torch.int32)
+            blocks = _cdiv(chunk, self.block_size)
+            table = torch.zeros(2, blocks, dtype=torch.int32, device=dev)  # block 0, only read
+            slots = torch.full((n,), -1, dtype=torch.long, device=dev)  # -1: not written
+            meta = AttentionMetadata(
+                num_reqs=2,
+                num_tokens=n,
+                max_query_len=chunk,
+                max_seq_len=chunk,
+                query_start_loc=qsl.to(dev),
+                seq_lens=seq_lens.to(dev),
+                block_table=table,
+                slot_mapping=slots,
+                query_start_loc_cpu=qsl,
+                seq_lens_cpu=seq_lens,
+                kv_group_tables=tuple((table, slots) for _ in range(num_groups - 1)),
+            )
+            ids = torch.zeros(n, dtype=torch.long, device=dev)
+            positions = torch.tensor([0, *range(chunk)], device=dev)
+            hidden = self._forward(ids, positions, self.kv_caches, meta, communicate=False)
+        if isinstance(hidden, torch.Tensor):
+            from pagedllm.platform import use_fused_kernels
+
+            logits = self.model.compute_logits(hidden[-1:])
+            if use_fused_kernels(logits):
+                from pagedllm.kernels.gumbel_sample import gumbel_sample
+
+                gumbel_sample(logits, None, 0)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
 
     # ------------------------------------------------------------------ one step
 

@@ -12,6 +12,7 @@ import pstats
 import random
 
 import pytest
+import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.sched_output import EngineCoreRequest
@@ -170,3 +171,20 @@ def test_runner_host_work_does_not_grow_with_requests(tiny_llama, async_scheduli
     small, large = calls_per_step(8), calls_per_step(256)
     # Logprob rows are the one per-request loop left (slicing each row's top-k): 1 in 5 rows here.
     assert large <= small * 1.25, (small, large)
+
+
+def test_start_up_warm_up_of_mixed_steps_writes_nothing(tiny_llama):
+    """The start-up warm-up (one dummy mixed step per prefill tile configuration, then the sampler; run after CUDA
+    graph capture) leaves the KV cache as it was and the engine's output unchanged."""
+    llm = _llm(tiny_llama, True)
+    prompts = _prompts(3, seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    before = [
+        o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    ]
+    runner = llm.llm_engine.engine_core.runner
+    caches = [c.clone() for c in runner.kv_caches]
+    runner._warm_up_eager_steps()
+    assert all(torch.equal(a, b) for a, b in zip(caches, runner.kv_caches, strict=True))
+    after = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    assert after == before
