@@ -10,12 +10,17 @@ $py -c "import torch, triton, transformers; print('torch', torch.__version__, 't
 $py -m pagedllm.benchmarks.shapes "$out/models" >/dev/null
 Q="$out/models/qwen3-0.6b"; L="$out/models/llama-3.1-8b"
 common="--load-format dummy --max-model-len 4096 --gpu-memory-utilization 0.9"
+tcache="${TRITON_CACHE_DIR:-$HOME/.triton/cache}"
 run() {  # name, command...
   local name=$1; shift
   echo "=== $name: $*"
   local t0=$(date +%s)
+  touch "$out/.mark"
   "$@" 2>&1 | tee "$out/bench_$name.log" | grep -E "^(Throughput|Latency)|Error|error|Traceback" | head -20
-  echo "    ($(( $(date +%s) - t0 )) s)"
+  # Kernels Triton compiled during the row (start-up and the timed run: a cold cache's cost).
+  # Each as name@seconds after the row began.
+  local new=$(find "$tcache" -name '*.json' ! -name '__grp__*' -newer "$out/.mark" -printf '%T@ %f\n' 2>/dev/null | sort -n | awk -v t0="$t0" '{sub(/\.json$/, "", $2); printf " %s@%d", $2, $1 - t0}')
+  echo "    ($(( $(date +%s) - t0 )) s; Triton compiles:${new:- none})"
 }
 if want tests; then
   echo "=== gpu tests"

@@ -213,7 +213,10 @@ def run_pagedllm_outputs(args: argparse.Namespace, temperature: float) -> tuple[
     if getattr(args, "profile_steps", False):
         from pagedllm.benchmarks.step_profile import StepProfiler, format_report
 
-        profiler = StepProfiler(llm.llm_engine)  # a second, untimed pass over the same requests
+        # A second, untimed pass over the same requests; without the first pass's prompts in the prefix cache,
+        # so that it computes what the timed pass computed.
+        llm.llm_engine.engine_core.reset_prefix_cache()
+        profiler = StepProfiler(llm.llm_engine)
         llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
         print(format_report(profiler.stop()))
     result = _result("pagedllm", len(reqs), elapsed, n_in, n_out)
