@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import torch
 
@@ -141,3 +141,43 @@ def get_attention_backend(device: torch.device | str, name: str | None = None) -
 
         return TorchAttentionBackend()
     raise ValueError(f"unknown attention backend {name!r}; choose 'torch' or 'triton'")
+
+
+class LeadingDecodes(NamedTuple):
+    """A mixed step's leading decodes (requests ..d) and the rest (requests d..), attended by separate launches."""
+
+    d: int
+    decode_max_seq_len: int
+    rest_block_table: torch.Tensor  # [num_reqs - d, max_blocks] int32
+    rest_seq_lens: torch.Tensor  # [num_reqs - d] int32
+    rest_query_start_loc: torch.Tensor  # [num_reqs - d + 1] int32, relative to token d
+    rest_max_seq_len: int
+
+
+def split_leading_decodes(metadata: AttentionMetadata) -> LeadingDecodes | None:
+    """How a mixed step that starts with decodes splits (the Triton backend attends to each part in its own launch).
+    None for a step without leading decodes or without anything after them, and while a CUDA graph is being
+    captured (its replays may see other query lengths)."""
+    if metadata.query_start_loc.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    q_lens = (
+        metadata.query_start_loc_cpu[1 : metadata.num_reqs + 1]
+        - metadata.query_start_loc_cpu[: metadata.num_reqs]
+    )
+    not_decode = torch.nonzero(q_lens != 1)
+    if len(not_decode) == 0:
+        return None
+    d = int(not_decode[0])
+    if d == 0:
+        return None
+    seq_lens = metadata.seq_lens_cpu[: metadata.num_reqs]
+    # Fresh tensors, not views at an offset: an offset that is not 16-byte aligned makes Triton compile another
+    # variant of the kernel (seconds, mid-run).
+    return LeadingDecodes(
+        d,
+        int(seq_lens[:d].max()),
+        metadata.block_table[d:].clone(),
+        metadata.seq_lens[d:].clone(),
+        metadata.query_start_loc[d:] - d,
+        int(seq_lens[d:].max()),
+    )

@@ -13,11 +13,9 @@ several times the tensor-core and softmax work, which makes the decodes of a mix
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
-from pagedllm.attention.base import AttentionMetadata
+from pagedllm.attention.base import AttentionMetadata, split_leading_decodes
 from pagedllm.kernels.paged_attention import paged_attention
 from pagedllm.kernels.reshape_and_cache import reshape_and_cache
 
@@ -50,7 +48,7 @@ class TritonAttentionBackend:
         split = (
             None
             if metadata.is_pure_decode
-            else metadata.derived("triton_decode_split", lambda: _split(metadata))
+            else metadata.derived("leading_decodes", lambda: split_leading_decodes(metadata))
         )
         if split is None:
             out = paged_attention(
@@ -97,42 +95,3 @@ class TritonAttentionBackend:
         if query.shape[0] > metadata.num_tokens:
             out[metadata.num_tokens :].zero_()  # the kernel leaves padding rows unwritten
         return out
-
-
-class _Split(NamedTuple):
-    """A mixed step's leading decodes (requests ..d) and the rest (requests d..), attended by separate launches."""
-
-    d: int
-    decode_max_seq_len: int
-    rest_block_table: torch.Tensor  # [num_reqs - d, max_blocks] int32
-    rest_seq_lens: torch.Tensor  # [num_reqs - d] int32
-    rest_query_start_loc: torch.Tensor  # [num_reqs - d + 1] int32, relative to token d
-    rest_max_seq_len: int
-
-
-def _split(metadata: AttentionMetadata) -> _Split | None:
-    """The split of a mixed step that starts with decodes. None for a step without leading decodes, and while a
-    CUDA graph is being captured (its replays may see other query lengths)."""
-    if metadata.query_start_loc.is_cuda and torch.cuda.is_current_stream_capturing():
-        return None
-    q_lens = (
-        metadata.query_start_loc_cpu[1 : metadata.num_reqs + 1]
-        - metadata.query_start_loc_cpu[: metadata.num_reqs]
-    )
-    not_decode = torch.nonzero(q_lens != 1)
-    if len(not_decode) == 0:
-        return None
-    d = int(not_decode[0])
-    if d == 0:
-        return None
-    seq_lens = metadata.seq_lens_cpu[: metadata.num_reqs]
-    # Fresh tensors, not views at an offset: an offset that is not 16-byte aligned makes Triton compile another
-    # variant of the kernel (seconds, mid-run).
-    return _Split(
-        d,
-        int(seq_lens[:d].max()),
-        metadata.block_table[d:].clone(),
-        metadata.seq_lens[d:].clone(),
-        metadata.query_start_loc[d:] - d,
-        int(seq_lens[d:].max()),
-    )
