@@ -17,7 +17,9 @@ Inside a JSON string with no length or pattern constraint, a row that accepts on
 characters, no quote or backslash) stays in the same string with the same continuations, so its mask, xgrammar's
 to the bit, is reused instead of filled again (``_StringReuse`` says why that is exact). With random weights
 nearly every row of a JSON-schema batch spends its tokens there, where a fill costs ~100 us per row on a 152k
-vocabulary. ``PAGEDLLM_GRAMMAR_MASK_REUSE=0`` turns it off; ``PAGEDLLM_GRAMMAR_FILL_THREADS`` sizes the fill.
+vocabulary. Such a row's plain tokens are not given to its matcher at all: it already stands where they would
+take it (``GrammarState.accept``; ``rollback`` knows which tokens it skipped). ``PAGEDLLM_GRAMMAR_MASK_REUSE=0``
+turns both off; ``PAGEDLLM_GRAMMAR_FILL_THREADS`` sizes the fill.
 
 JSON with free whitespace gets its whitespace runs capped here, per token (grammar.py says why): after
 ``MAX_JSON_WHITESPACE_TOKENS`` consecutive whitespace-only tokens, the row's mask drops every whitespace-only
@@ -32,7 +34,7 @@ import logging
 import os
 import re
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -55,8 +57,13 @@ logger = logging.getLogger(__name__)
 # Batches with at least this many rows to fill use xgrammar's batch fill (its thread pool).
 _BATCH_FILL_MIN_ROWS = 8
 _CACHE_SIZE = 512  # compiled grammars kept (by constraint)
-FILL_THREADS_ENV = "PAGEDLLM_GRAMMAR_FILL_THREADS"  # threads of the batch bitmask fill (default: half the CPUs)
-MASK_REUSE_ENV = "PAGEDLLM_GRAMMAR_MASK_REUSE"  # "0": fill every constrained row every step (no in-string reuse)
+_ROLLBACK_WINDOW = 1024  # tokens GrammarState.rollback can undo
+FILL_THREADS_ENV = (
+    "PAGEDLLM_GRAMMAR_FILL_THREADS"  # threads of the batch bitmask fill (default: half the CPUs)
+)
+MASK_REUSE_ENV = (
+    "PAGEDLLM_GRAMMAR_MASK_REUSE"  # "0": fill every constrained row every step (no in-string reuse)
+)
 
 
 def usable_cpus() -> int:
@@ -153,19 +160,30 @@ class GrammarState:
         self._end_ids: list[int] = []
         self._tail: list[int] = []  # last generated tokens while reasoning (to spot the end marker)
         self.num_accepted = 0  # tokens the matcher accepted (what rollback may undo)
-        self._ws_ids: frozenset[int] | None = None  # whitespace-only token ids, when this grammar caps their runs
-        self._ws_runs: list[int] = []  # after each accepted token: how many whitespace-only tokens end the output
+        self._ws_ids: frozenset[int] | None = (
+            None  # whitespace-only token ids, when this grammar caps their runs
+        )
+        self._ws_runs: list[
+            int
+        ] = []  # after each accepted token: how many whitespace-only tokens end the output
         # In-string mask reuse (_StringReuse), all touched only by the manager's fill and by accept/rollback.
         self._reuse: _StringReuse | None = None
         self._mask: np.ndarray | None = None  # [num_words] int32: xgrammar's mask now, while _mask_valid
         self._mask_valid = False
-        self._mask_key: object | None = None  # new for every mask kept (what a buffer row holds, manager._held)
-        self._sig: tuple[int, int, int, int] | None = None  # the single parser state at the last fill, in a string rule
+        self._mask_key: object | None = (
+            None  # new for every mask kept (what a buffer row holds, manager._held)
+        )
+        self._sig: tuple[int, int, int, int] | None = (
+            None  # the single parser state at the last fill, in a string rule
+        )
         self._since = -1  # tokens accepted since the last fill, all plain; -1 once one was not
         self._plain: bytes | None = None  # _reuse.plain
         self._stop_ids: frozenset[int] = frozenset()  # the matcher's stop tokens (only they can terminate it)
         self._terminated = False  # matcher.is_terminated(), kept here (read for every row every step)
         self._capped = False  # whitespace_capped, kept here
+        # Per recent accepted token: whether the matcher skipped it (a plain token at a known string boundary, see
+        # accept). Only rollback reads it, and speculative decoding rolls back a few tokens at most.
+        self._skipped: deque[bool] = deque(maxlen=_ROLLBACK_WINDOW)
 
     def ready(self) -> bool:
         """Whether the grammar compiled (or failed: then ``error`` says why). Creates the matcher once."""
@@ -213,16 +231,25 @@ class GrammarState:
             return True
         if self._terminated:
             return True  # past the end (ignore_eos): nothing left to check
-        if not self.matcher.accept_token(token_id):
-            self._mask_valid = False
-            self._since = -1
-            return False
-        self.num_accepted += 1
-        if token_id in self._stop_ids:
-            self._terminated = self.matcher.is_terminated()
         plain = self._plain
+        is_plain = plain is not None and 0 <= token_id < len(plain) and plain[token_id]
+        if is_plain and self._mask_valid:
+            # At a string's character boundary whose mask is known, a plain token leads back to the same boundary
+            # of the same string, with the same continuations (_StringReuse): the matcher is already in the state
+            # it would reach, so it does not see the token (xgrammar's accept is most of a constrained step's
+            # host work). A later non-plain token, fill or rollback starts from that same state.
+            self._skipped.append(True)
+        else:
+            if not self.matcher.accept_token(token_id):
+                self._mask_valid = False
+                self._since = -1
+                return False
+            self._skipped.append(False)
+            if token_id in self._stop_ids:
+                self._terminated = self.matcher.is_terminated()
+        self.num_accepted += 1
         if plain is not None:
-            if 0 <= token_id < len(plain) and plain[token_id]:
+            if is_plain:
                 if self._since >= 0:
                     self._since += 1
             else:
@@ -243,11 +270,17 @@ class GrammarState:
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens."""
         if num_tokens:
-            self.matcher.rollback(num_tokens)
+            if num_tokens > len(self._skipped):
+                raise ValueError(f"cannot roll back {num_tokens} tokens (at most {len(self._skipped)})")
+            real = sum(not self._skipped.pop() for _ in range(num_tokens))  # the ones the matcher saw
             self.num_accepted -= num_tokens
-            self._terminated = self.matcher.is_terminated()
-            self._mask_valid = False
-            self._since = -1
+            if real:
+                self.matcher.rollback(real)
+                self._terminated = self.matcher.is_terminated()
+                self._mask_valid = False
+                self._since = -1
+            else:  # only skipped plain tokens: still at the same string boundary, mask unchanged
+                self._since = max(self._since - num_tokens, 0)
             if self._ws_ids is not None:
                 del self._ws_runs[len(self._ws_runs) - num_tokens :]
                 self._capped = bool(self._ws_runs) and self._ws_runs[-1] >= MAX_JSON_WHITESPACE_TOKENS
@@ -270,7 +303,9 @@ class StructuredOutputManager:
         reuse_string_masks: bool | None = None,
     ) -> None:
         self.vocab_size = vocab_size
-        self._fill_threads = default_fill_threads() if fill_threads is None else _check_fill_threads(fill_threads)
+        self._fill_threads = (
+            default_fill_threads() if fill_threads is None else _check_fill_threads(fill_threads)
+        )
         if reuse_string_masks is None:
             reuse_string_masks = os.environ.get(MASK_REUSE_ENV, "1").strip() != "0"
         self.reuse_string_masks = reuse_string_masks
@@ -417,13 +452,19 @@ class StructuredOutputManager:
             done: Future = Future()
             done.set_result(None)
             return done
-        buf, held = self._buffer(len(states))  # chosen here, on the caller's thread (the alternation is not locked)
+        buf, held = self._buffer(
+            len(states)
+        )  # chosen here, on the caller's thread (the alternation is not locked)
         if self._fill_executor is None:
             self._fill_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-bitmask")
         return self._fill_executor.submit(self._fill, states, rows, buf, held)
 
     def _fill(
-        self, states: Sequence[GrammarState | None], rows: list[int], buf: torch.Tensor, held: list[object | None]
+        self,
+        states: Sequence[GrammarState | None],
+        rows: list[int],
+        buf: torch.Tensor,
+        held: list[object | None],
     ) -> torch.Tensor:
         """Rows ``rows`` get their states' masks (reused or filled by xgrammar), the others allow everything.
         ``held``: what the rows of ``buf`` hold (a reused mask already in place, from two steps ago, is kept)."""

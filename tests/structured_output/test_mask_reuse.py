@@ -54,7 +54,9 @@ def manager(tok) -> StructuredOutputManager:
     m.shutdown()
 
 
-def _ready(manager: StructuredOutputManager, params: StructuredOutputsParams, tok, prefix: str = "") -> GrammarState:
+def _ready(
+    manager: StructuredOutputManager, params: StructuredOutputsParams, tok, prefix: str = ""
+) -> GrammarState:
     state = manager.new_state(params, [5], [tok.eos_token_id])
     state.wait(60)
     assert state.ready() and state.error is None
@@ -109,7 +111,13 @@ def test_fill_threads_default_and_environment(tok, monkeypatch) -> None:
 def test_batch_fill_on_several_threads_equals_one_by_one(tok) -> None:
     """Enough rows for xgrammar's batch fill, in different places of different grammars, some inactive."""
     m = StructuredOutputManager(len(tok), lambda: tok, fill_threads=4, reuse_string_masks=False)
-    prefixes = ['{"name": "ab', '{"name": "x", "tags": [', '{"name": "x", "tags": ["q"], "short": "ab', "", '{"n']
+    prefixes = [
+        '{"name": "ab',
+        '{"name": "x", "tags": [',
+        '{"name": "x", "tags": ["q"], "short": "ab',
+        "",
+        '{"n',
+    ]
     states = [_ready(m, StructuredOutputsParams(json=OBJECT), tok, p) for p in prefixes * 3]
     states += [_ready(m, StructuredOutputsParams(regex="[a-z]+@[a-z]+"), tok, "ab"), None]
     bitmask = m.grammar_bitmask_async(states).result()
@@ -135,7 +143,7 @@ def test_string_loop_rules_recognise_only_unconstrained_json_strings(tok) -> Non
     assert rules(json_object=True) == ["basic_string_sub"]
     assert rules(json={"type": "object", "properties": {"s": {"type": "string", "maxLength": 3}}}) == []
     assert rules(regex='"[a-z]*"') == [] and rules(choice=["a", "b"]) == []
-    klass = r'[^\0-\x1f\"\\\ud800-\udfff]'
+    klass = r"[^\0-\x1f\"\\\ud800-\udfff]"
     good = f'root ::= "\\"" s\ns ::= (("\\"") | ({klass} s) | ("\\\\" e s))\ne ::= [n]'
     not_tail = f'root ::= "\\"" s\ns ::= (("\\"") | ({klass} s "x") | ("\\\\" e s))\ne ::= [n]'
     other_class = 'root ::= "\\"" s\ns ::= (("\\"") | ([a-z] s) | ("\\\\" e s))\ne ::= [n]'
@@ -155,7 +163,9 @@ def _interesting(tok) -> np.ndarray:
     import xgrammar as xgr
 
     info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok))
-    return np.array([i for i, b in enumerate(info.decoded_vocab) if b'"' in b or b"\\" in b or max(b, default=0) > 127])
+    return np.array(
+        [i for i, b in enumerate(info.decoded_vocab) if b'"' in b or b"\\" in b or max(b, default=0) > 127]
+    )
 
 
 @pytest.mark.parametrize(
@@ -192,6 +202,49 @@ def test_reused_masks_are_xgrammars_on_random_walks(manager, tok, params) -> Non
     assert reused > 50  # rows inside strings were not filled again
 
 
+@pytest.mark.parametrize("schema", [OBJECT, RECORDS], ids=["object", "records"])
+def test_skipped_plain_tokens_leave_the_matcher_where_xgrammar_would_be(manager, tok, schema) -> None:
+    """Rows whose in-string plain tokens the matcher never sees (accept skips them at a known string boundary) give,
+    step after step, the masks and accept results of twin xgrammar matchers that saw every token, through string
+    ends, escapes and random rollbacks of 1-3 tokens."""
+    import xgrammar as xgr
+
+    rng = np.random.default_rng(1)
+    special = _interesting(tok)
+    params = StructuredOutputsParams(json=schema)
+    states = [_ready(manager, params, tok) for _ in range(10)]
+    compiled = states[0]._future.result()[0]
+    twins = [xgr.GrammarMatcher(compiled, override_stop_tokens=[tok.eos_token_id]) for _ in states]
+    skipped = 0
+    for step in range(80):
+        live = [s if s.active else None for s in states]
+        bitmask = manager.grammar_bitmask_async(live).result()
+        ref = torch.full_like(bitmask, -1)
+        for i, (state, twin) in enumerate(zip(live, twins, strict=True)):
+            if state is not None:
+                twin.fill_next_token_bitmask(ref, i)
+                if state.whitespace_capped:
+                    ref[i] &= manager._not_ws_mask
+        assert torch.equal(bitmask, ref), step
+        for i, state in enumerate(live):
+            if state is None:
+                continue
+            if step % 9 == 8 and state.num_accepted > 3:  # speculative decoding's rejected drafts
+                n = int(rng.integers(1, 4))
+                state.rollback(n)
+                twins[i].rollback(n)
+                continue
+            allowed = _allowed(bitmask[i], len(tok))
+            if len(allowed) > 1:
+                allowed = allowed[allowed != tok.eos_token_id]
+            odd = np.intersect1d(allowed, special)
+            pick = odd if len(odd) and rng.random() < 0.15 else allowed
+            token = int(pick[rng.integers(len(pick))])
+            assert state.accept(token) == twins[i].accept_token(token)
+            skipped += bool(state._skipped[-1]) if len(state._skipped) else 0
+    assert skipped > 30  # many in-string tokens never reached the matcher
+
+
 def test_reuse_ends_with_a_non_plain_token_and_with_rollback(manager, tok) -> None:
     state = _ready(manager, StructuredOutputsParams(json=OBJECT), tok, '{"name": "')
     word = tok.encode("hello", add_special_tokens=False)
@@ -204,8 +257,8 @@ def test_reuse_ends_with_a_non_plain_token_and_with_rollback(manager, tok) -> No
     assert state._mask_valid
     assert state.accept(word[0]) and state._mask_valid
     assert torch.equal(manager.grammar_bitmask([state]), first)
-    state.rollback(1)
-    assert not state._mask_valid
+    state.rollback(1)  # a token the matcher skipped: still at the boundary, the mask still known
+    assert state._mask_valid
     assert torch.equal(manager.grammar_bitmask([state]), first) and state._mask_valid
     assert state.accept(quote[0]) and not state._mask_valid  # the string ended: filled again
     assert torch.equal(manager.grammar_bitmask([state]), _xgrammar_masks(manager, [state]))
