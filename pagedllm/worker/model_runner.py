@@ -330,39 +330,23 @@ class ModelRunner:
     @torch.inference_mode()
     def _warm_up_eager_steps(self) -> None:
         """Compile now (or load from Triton's cache) what eager mixed steps and sampling launch, instead of in the
-        middle of the first requests: a compile takes seconds on a cold cache. A mixed step's prefill tiles depend
-        on its longest chunk through the next power of two (``tile_config``), so one dummy step (a decode then a
-        chunk of L tokens, nothing written to the cache) per L in 2, 4, ..., 64 meets every variant; then the
-        one-pass sampler."""
-        dev = self.device
-        num_groups = self.kv_layout.num_groups
+        middle of the first requests: a compile takes seconds on a cold cache, and the step loop waits for it.
+
+        Dummy steps of a decode then a chunk of L tokens (nothing written to the cache) meet the variants:
+        a mixed step's prefill tiles depend on its longest chunk through the next power of two (``tile_config``),
+        so L = 2, 4, ..., 64 meets every tile configuration; and when few prefill tiles remain over a long context
+        (the tail of a run's prefills) the launch splits its keys (``num_kv_splits``), one variant per split count,
+        which a chunk of 64 over contexts of 512, 1024, ... max_model_len tokens meets. Then the one-pass sampler.
+        """
         hidden = None
         for chunk in (2, 4, 8, 16, 32, 64):
-            if chunk + 1 > self.max_num_tokens or chunk + 1 > self.max_model_len:
+            if chunk + 1 > min(self.max_num_tokens, self.max_model_len):
                 break
-            q_lens = [1, chunk]
-            n = sum(q_lens)
-            qsl = torch.tensor([0, 1, n], dtype=torch.int32)
-            seq_lens = torch.tensor(q_lens, dtype=torch.int32)
-            blocks = _cdiv(chunk, self.block_size)
-            table = torch.zeros(2, blocks, dtype=torch.int32, device=dev)  # block 0, only read
-            slots = torch.full((n,), -1, dtype=torch.long, device=dev)  # -1: not written
-            meta = AttentionMetadata(
-                num_reqs=2,
-                num_tokens=n,
-                max_query_len=chunk,
-                max_seq_len=chunk,
-                query_start_loc=qsl.to(dev),
-                seq_lens=seq_lens.to(dev),
-                block_table=table,
-                slot_mapping=slots,
-                query_start_loc_cpu=qsl,
-                seq_lens_cpu=seq_lens,
-                kv_group_tables=tuple((table, slots) for _ in range(num_groups - 1)),
-            )
-            ids = torch.zeros(n, dtype=torch.long, device=dev)
-            positions = torch.tensor([0, *range(chunk)], device=dev)
-            hidden = self._forward(ids, positions, self.kv_caches, meta, communicate=False)
+            hidden = self._dummy_mixed_step(chunk, chunk)
+        context = 512
+        while context <= self.max_model_len and 65 <= self.max_num_tokens:
+            hidden = self._dummy_mixed_step(64, context)
+            context *= 2
         if isinstance(hidden, torch.Tensor):
             from pagedllm.platform import use_fused_kernels
 
@@ -371,8 +355,34 @@ class ModelRunner:
                 from pagedllm.kernels.gumbel_sample import gumbel_sample
 
                 gumbel_sample(logits, None, 0)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _dummy_mixed_step(self, chunk: int, seq_len: int) -> Any:
+        """The forward of a step with a decode (context 1) then a chunk of ``chunk`` tokens ending at ``seq_len``,
+        every block read being block 0 and nothing written (slot -1)."""
+        dev = self.device
+        n = chunk + 1
+        qsl = torch.tensor([0, 1, n], dtype=torch.int32)
+        seq_lens = torch.tensor([1, seq_len], dtype=torch.int32)
+        table = torch.zeros(2, _cdiv(seq_len, self.block_size), dtype=torch.int32, device=dev)
+        slots = torch.full((n,), -1, dtype=torch.long, device=dev)
+        meta = AttentionMetadata(
+            num_reqs=2,
+            num_tokens=n,
+            max_query_len=chunk,
+            max_seq_len=seq_len,
+            query_start_loc=qsl.to(dev),
+            seq_lens=seq_lens.to(dev),
+            block_table=table,
+            slot_mapping=slots,
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=seq_lens,
+            kv_group_tables=tuple((table, slots) for _ in range(self.kv_layout.num_groups - 1)),
+        )
+        ids = torch.zeros(n, dtype=torch.long, device=dev)
+        positions = torch.tensor([0, *range(seq_len - chunk, seq_len)], device=dev)
+        return self._forward(ids, positions, self.kv_caches, meta, communicate=False)
 
     # ------------------------------------------------------------------ one step
 
