@@ -72,9 +72,7 @@ def write_latent_cache(
     # read it on the host
     first = valid.to(torch.int32).argmax().view(1)
     target = torch.where(valid, slots, slots.index_select(0, first)).clamp(min=0)  # [T]
-    fallback = torch.where(
-        valid.index_select(0, first)[:, None], rows.index_select(0, first), flat[:1]
-    )  # [1, L+R]
+    fallback = torch.where(valid.index_select(0, first)[:, None], rows.index_select(0, first), flat[:1])  # [1, L+R]
     flat.index_copy_(0, target, torch.where(valid[:, None], rows, fallback))
 
 
@@ -210,9 +208,7 @@ def plan_mla_step(
         else:  # row i of the chunks: its request's first row + its offset within the request
             rows = to_device(np.arange(cu_q[-1]) - np.repeat(cu_q[:-1] - starts[batch], n))  # [Tq]
         # context position pos of request r -> block_table[r, pos // block_size], offset pos % block_size
-        req_of, pos = to_device(
-            np.stack([np.repeat(batch, s), np.arange(cu_k[-1]) - np.repeat(cu_k[:-1], s)])
-        )
+        req_of, pos = to_device(np.stack([np.repeat(batch, s), np.arange(cu_k[-1]) - np.repeat(cu_k[:-1], s)]))
         ctx_slots = block_table[req_of, pos // block_size].long() * block_size + pos % block_size  # [N]
         cu = to_device(np.stack([cu_q, cu_k]).astype(np.int32))  # [2, B + 1]
         prefills.append(MLAPrefills(rows, ctx_slots, cu[0], cu[1], n, s))

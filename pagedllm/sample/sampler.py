@@ -125,9 +125,7 @@ class Sampler(nn.Module):
                 seed = int(torch.randint(2**31 - 1, (1,)))  # the default CPU generator: seeded runs repeat
                 random_ids = gumbel_sample(logits, metadata.temperature, seed)  # [num_reqs]
             else:
-                random_ids = self._sample_random(
-                    logits, metadata, owned=logits is not raw_logits
-                )  # [num_reqs]
+                random_ids = self._sample_random(logits, metadata, owned=logits is not raw_logits)  # [num_reqs]
             if greedy_ids is None:
                 sampled = random_ids
             else:

@@ -58,12 +58,8 @@ logger = logging.getLogger(__name__)
 _BATCH_FILL_MIN_ROWS = 8
 _CACHE_SIZE = 512  # compiled grammars kept (by constraint)
 _ROLLBACK_WINDOW = 1024  # tokens GrammarState.rollback can undo
-FILL_THREADS_ENV = (
-    "PAGEDLLM_GRAMMAR_FILL_THREADS"  # threads of the batch bitmask fill (default: half the CPUs)
-)
-MASK_REUSE_ENV = (
-    "PAGEDLLM_GRAMMAR_MASK_REUSE"  # "0": fill every constrained row every step (no in-string reuse)
-)
+FILL_THREADS_ENV = "PAGEDLLM_GRAMMAR_FILL_THREADS"  # threads of the batch bitmask fill (default: half the CPUs)
+MASK_REUSE_ENV = "PAGEDLLM_GRAMMAR_MASK_REUSE"  # "0": fill every constrained row every step (no in-string reuse)
 
 
 def usable_cpus() -> int:
@@ -160,22 +156,14 @@ class GrammarState:
         self._end_ids: list[int] = []
         self._tail: list[int] = []  # last generated tokens while reasoning (to spot the end marker)
         self.num_accepted = 0  # tokens the matcher accepted (what rollback may undo)
-        self._ws_ids: frozenset[int] | None = (
-            None  # whitespace-only token ids, when this grammar caps their runs
-        )
-        self._ws_runs: list[
-            int
-        ] = []  # after each accepted token: how many whitespace-only tokens end the output
+        self._ws_ids: frozenset[int] | None = None  # whitespace-only token ids, when this grammar caps their runs
+        self._ws_runs: list[int] = []  # after each accepted token: how many whitespace-only tokens end the output
         # In-string mask reuse (_StringReuse), all touched only by the manager's fill and by accept/rollback.
         self._reuse: _StringReuse | None = None
         self._mask: np.ndarray | None = None  # [num_words] int32: xgrammar's mask now, while _mask_valid
         self._mask_valid = False
-        self._mask_key: object | None = (
-            None  # new for every mask kept (what a buffer row holds, manager._held)
-        )
-        self._sig: tuple[int, int, int, int] | None = (
-            None  # the single parser state at the last fill, in a string rule
-        )
+        self._mask_key: object | None = None  # new for every mask kept (what a buffer row holds, manager._held)
+        self._sig: tuple[int, int, int, int] | None = None  # the single parser state at the last fill, in a string rule
         self._since = -1  # tokens accepted since the last fill, all plain; -1 once one was not
         self._plain: bytes | None = None  # _reuse.plain
         self._stop_ids: frozenset[int] = frozenset()  # the matcher's stop tokens (only they can terminate it)
@@ -303,9 +291,7 @@ class StructuredOutputManager:
         reuse_string_masks: bool | None = None,
     ) -> None:
         self.vocab_size = vocab_size
-        self._fill_threads = (
-            default_fill_threads() if fill_threads is None else _check_fill_threads(fill_threads)
-        )
+        self._fill_threads = default_fill_threads() if fill_threads is None else _check_fill_threads(fill_threads)
         if reuse_string_masks is None:
             reuse_string_masks = os.environ.get(MASK_REUSE_ENV, "1").strip() != "0"
         self.reuse_string_masks = reuse_string_masks
@@ -452,19 +438,13 @@ class StructuredOutputManager:
             done: Future = Future()
             done.set_result(None)
             return done
-        buf, held = self._buffer(
-            len(states)
-        )  # chosen here, on the caller's thread (the alternation is not locked)
+        buf, held = self._buffer(len(states))  # chosen here, on the caller's thread (the alternation is not locked)
         if self._fill_executor is None:
             self._fill_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-bitmask")
         return self._fill_executor.submit(self._fill, states, rows, buf, held)
 
     def _fill(
-        self,
-        states: Sequence[GrammarState | None],
-        rows: list[int],
-        buf: torch.Tensor,
-        held: list[object | None],
+        self, states: Sequence[GrammarState | None], rows: list[int], buf: torch.Tensor, held: list[object | None]
     ) -> torch.Tensor:
         """Rows ``rows`` get their states' masks (reused or filled by xgrammar), the others allow everything.
         ``held``: what the rows of ``buf`` hold (a reused mask already in place, from two steps ago, is kept)."""

@@ -54,9 +54,7 @@ def manager(tok) -> StructuredOutputManager:
     m.shutdown()
 
 
-def _ready(
-    manager: StructuredOutputManager, params: StructuredOutputsParams, tok, prefix: str = ""
-) -> GrammarState:
+def _ready(manager: StructuredOutputManager, params: StructuredOutputsParams, tok, prefix: str = "") -> GrammarState:
     state = manager.new_state(params, [5], [tok.eos_token_id])
     state.wait(60)
     assert state.ready() and state.error is None
@@ -111,13 +109,7 @@ def test_fill_threads_default_and_environment(tok, monkeypatch) -> None:
 def test_batch_fill_on_several_threads_equals_one_by_one(tok) -> None:
     """Enough rows for xgrammar's batch fill, in different places of different grammars, some inactive."""
     m = StructuredOutputManager(len(tok), lambda: tok, fill_threads=4, reuse_string_masks=False)
-    prefixes = [
-        '{"name": "ab',
-        '{"name": "x", "tags": [',
-        '{"name": "x", "tags": ["q"], "short": "ab',
-        "",
-        '{"n',
-    ]
+    prefixes = ['{"name": "ab', '{"name": "x", "tags": [', '{"name": "x", "tags": ["q"], "short": "ab', "", '{"n']
     states = [_ready(m, StructuredOutputsParams(json=OBJECT), tok, p) for p in prefixes * 3]
     states += [_ready(m, StructuredOutputsParams(regex="[a-z]+@[a-z]+"), tok, "ab"), None]
     bitmask = m.grammar_bitmask_async(states).result()
@@ -143,7 +135,7 @@ def test_string_loop_rules_recognise_only_unconstrained_json_strings(tok) -> Non
     assert rules(json_object=True) == ["basic_string_sub"]
     assert rules(json={"type": "object", "properties": {"s": {"type": "string", "maxLength": 3}}}) == []
     assert rules(regex='"[a-z]*"') == [] and rules(choice=["a", "b"]) == []
-    klass = r"[^\0-\x1f\"\\\ud800-\udfff]"
+    klass = r'[^\0-\x1f\"\\\ud800-\udfff]'
     good = f'root ::= "\\"" s\ns ::= (("\\"") | ({klass} s) | ("\\\\" e s))\ne ::= [n]'
     not_tail = f'root ::= "\\"" s\ns ::= (("\\"") | ({klass} s "x") | ("\\\\" e s))\ne ::= [n]'
     other_class = 'root ::= "\\"" s\ns ::= (("\\"") | ([a-z] s) | ("\\\\" e s))\ne ::= [n]'
@@ -163,9 +155,7 @@ def _interesting(tok) -> np.ndarray:
     import xgrammar as xgr
 
     info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok))
-    return np.array(
-        [i for i, b in enumerate(info.decoded_vocab) if b'"' in b or b"\\" in b or max(b, default=0) > 127]
-    )
+    return np.array([i for i, b in enumerate(info.decoded_vocab) if b'"' in b or b"\\" in b or max(b, default=0) > 127])
 
 
 @pytest.mark.parametrize(
