@@ -8,6 +8,10 @@ plus the upcast; here each program reads its slice of one row once, in the logit
 with Philox (``tl.rand``, keyed by a per-call seed and the element's index) and keeps a running best. A second,
 tiny step takes the best of each row's slices.
 
+Structured outputs: with ``bitmask`` (``[num_reqs, ceil(vocab_size / 32)]`` int32, bit ``j`` of word ``w`` allows
+token ``32 * w + j``) the pass reads each slice's words too and draws only allowed tokens, as if the forbidden
+logits were ``-inf`` (``pagedllm.sample.ops.apply_token_bitmask_``), without that edit's float32 copy of the logits.
+
 For rows without top-k, top-p or min-p, unseeded (a seeded row's draws come from its own ``torch.Generator``, so
 its token does not depend on the batch: that stays on the PyTorch path). Forbidden tokens (``-inf`` logits) are
 never drawn. Exactness is a matter of law, not of bits: the PyTorch twin is ``pagedllm.sample.ops.random_sample``
@@ -30,12 +34,15 @@ def _gumbel_argmax_kernel(
     inv_temp_ptr,  # [num_reqs] float32: 1 / T
     best_val_ptr,  # [num_reqs, num_slices] float32
     best_idx_ptr,  # [num_reqs, num_slices] int32
+    bitmask_ptr,  # [num_reqs, num_words] int32 with MASKED (else unused)
     seed,
     vocab_size,
     stride_logits,
+    stride_bitmask,
     num_slices,
     BLOCK: tl.constexpr,
     SLICE: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
     row = tl.program_id(0)
     part = tl.program_id(1)
@@ -49,6 +56,9 @@ def _gumbel_argmax_kernel(
         x = tl.load(logits_ptr + row * stride_logits + offs, mask=ok, other=float("-inf")).to(tl.float32)
         u = tl.rand(seed, row * vocab_size + offs)  # [BLOCK] uniform in [0, 1)
         score = x * inv_temp - tl.log(-tl.log(u))  # u == 0 gives -inf: never drawn
+        if MASKED:
+            words = tl.load(bitmask_ptr + row * stride_bitmask + offs // 32, mask=ok, other=0)
+            score = tl.where(((words >> (offs % 32)) & 1) != 0, score, float("-inf"))
         better = score > best
         best = tl.where(better, score, best)
         best_at = tl.where(better, offs, best_at)
@@ -62,10 +72,14 @@ def gumbel_sample(
     logits: torch.Tensor,  # [num_reqs, vocab_size], float dtype, contiguous rows
     temperature: torch.Tensor | None,  # [num_reqs] float32 > 0, or None for 1.0
     seed: int,  # Philox key of this call's draws (0 <= seed < 2**31)
+    bitmask: torch.Tensor | None = None,  # [num_reqs, ceil(vocab_size / 32)] int32: allowed tokens (module docstring)
 ) -> torch.Tensor:  # [num_reqs] int64
-    """One token per row from ``softmax(logits / temperature)``. No host sync."""
+    """One token per row from ``softmax(logits / temperature)`` (over the tokens ``bitmask`` allows). No host sync."""
     num_reqs, vocab_size = logits.shape
     assert logits.stride(1) == 1, "contiguous rows"
+    if bitmask is not None:
+        assert bitmask.dtype == torch.int32 and bitmask.stride(1) == 1 and bitmask.shape[0] == num_reqs
+        assert bitmask.shape[1] * 32 >= vocab_size, f"bitmask of {bitmask.shape[1]} words for {vocab_size} tokens"
     assert num_reqs * vocab_size < 2**31, "Philox offsets are int32"
     num_slices = triton.cdiv(vocab_size, _SLICE)
     dev = logits.device
@@ -81,12 +95,15 @@ def gumbel_sample(
             inv_temp,
             best_val,
             best_idx,
+            bitmask if bitmask is not None else best_idx,
             seed,
             vocab_size,
             logits.stride(0),
+            bitmask.stride(0) if bitmask is not None else 0,
             num_slices,
             BLOCK=_BLOCK,
             SLICE=_SLICE,
+            MASKED=bitmask is not None,
             num_warps=8,
         )
     pick = best_val.argmax(dim=1, keepdim=True)  # [num_reqs, 1]

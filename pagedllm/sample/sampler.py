@@ -11,7 +11,8 @@ Order of operations (each step skipped when no row uses it)::
 
 On CUDA, a batch whose random rows are all unseeded and use no top-k, top-p or min-p (temperature only) samples
 them in one pass instead (Gumbel-max, ``pagedllm/kernels/gumbel_sample.py``): same law, no fp32 copies of the
-logits unless an edit above needs one.
+logits unless an edit above needs one. That pass also reads a grammar bitmask when it is the only edit and every row
+is random.
 
 Logprobs are "raw": computed from the model's logits before any of the processing above.
 """
@@ -47,6 +48,17 @@ def _fused_random(logits: torch.Tensor, metadata: SamplingMetadata) -> bool:
         and metadata.no_min_p
         and logits.stride(-1) == 1
         and use_fused_kernels(logits)
+    )
+
+
+def _only_grammar_edit(metadata: SamplingMetadata) -> bool:
+    """Whether a grammar bitmask is the only edit of the logits (no other mask, ban, bias or penalty)."""
+    return (
+        metadata.grammar_bitmask is not None
+        and metadata.no_penalties
+        and metadata.allowed_token_mask is None
+        and metadata.banned_token_index is None
+        and metadata.logit_bias_index is None
     )
 
 
@@ -108,9 +120,12 @@ class Sampler(nn.Module):
     ) -> SamplerOutput:
         raw_logits = logits
         fused = _fused_random(logits, metadata)
-        if metadata.needs_logits_edit or not fused:  # (the fused path reads any float dtype)
+        # A grammar bitmask, when it is the only edit and no row takes the argmax, is read by the fused pass itself.
+        fold_mask = fused and metadata.all_random and _only_grammar_edit(metadata)
+        edit = metadata.needs_logits_edit and not fold_mask
+        if edit or not fused:  # (the fused path reads any float dtype)
             logits = logits.float()  # [num_reqs, vocab_size]; aliases the input when it is already float32
-        if metadata.needs_logits_edit:
+        if edit:
             if logits is raw_logits:
                 logits = logits.clone()
             self._edit_logits_(logits, metadata)
@@ -123,7 +138,8 @@ class Sampler(nn.Module):
                 from pagedllm.kernels.gumbel_sample import gumbel_sample
 
                 seed = int(torch.randint(2**31 - 1, (1,)))  # the default CPU generator: seeded runs repeat
-                random_ids = gumbel_sample(logits, metadata.temperature, seed)  # [num_reqs]
+                mask = metadata.grammar_bitmask if fold_mask else None
+                random_ids = gumbel_sample(logits, metadata.temperature, seed, mask)  # [num_reqs]
             else:
                 random_ids = self._sample_random(logits, metadata, owned=logits is not raw_logits)  # [num_reqs]
             if greedy_ids is None:

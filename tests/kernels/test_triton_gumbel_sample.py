@@ -52,6 +52,35 @@ def check_slices(device: str, vocab_size: int) -> None:
     assert torch.equal(ids, peaks)
 
 
+def check_bitmask(device: str, rows: int, vocab_size: int) -> None:
+    """With a grammar bitmask every draw is an allowed token, and among the allowed ones the frequencies follow the
+    softmax restricted to them (rows of all-allowed words, a word boundary, a single allowed token, bit 31)."""
+    gen = torch.Generator().manual_seed(2)
+    num_words = (vocab_size + 31) // 32 + 1  # a spare word, as a padded vocabulary gives
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (rows, num_words), generator=gen, dtype=torch.int64).to(torch.int32)
+    bitmask[0] = -1  # everything allowed
+    bitmask[1] = 0
+    bitmask[1, 1] = 1 << 0  # token 32 only
+    bitmask[2] = 0
+    bitmask[2, 0] = -(2**31)  # bit 31 of word 0: token 31 only
+    logits = torch.randn(rows, vocab_size, generator=gen)
+    ids = gs.gumbel_sample(logits.to(device), None, 5, bitmask.to(device)).cpu()
+    bits = (bitmask[torch.arange(rows), ids // 32] >> (ids % 32)) & 1
+    assert bits.all()  # never a forbidden token
+    assert ids[1] == 32 and ids[2] == 31
+    # Frequencies over three allowed tokens of one repeated row.
+    row = torch.tensor([0.5, 2.0, -1.0, 1.0] + [3.0] * (vocab_size - 4))
+    word = torch.zeros(num_words, dtype=torch.int32)
+    word[0] = 0b1011  # tokens 0, 1 and 3
+    reps = 1500 if device == "cpu" else 50_000
+    draws = gs.gumbel_sample(row.repeat(reps, 1).to(device), None, 6, word.repeat(reps, 1).to(device)).cpu()
+    freq = torch.bincount(draws, minlength=vocab_size).float() / reps
+    want = torch.zeros(vocab_size)
+    want[[0, 1, 3]] = row[[0, 1, 3]].softmax(-1)
+    sigma = (want * (1 - want) / reps).sqrt()
+    assert ((freq - want).abs() <= 4.5 * sigma + 1e-6).all(), (freq[:4], want[:4])
+
+
 @pytest.fixture
 def small_blocks(monkeypatch):
     monkeypatch.setattr(gs, "_BLOCK", 16)
@@ -66,6 +95,18 @@ def test_gumbel_frequencies_interpret(small_blocks):
 @needs_interpreter
 def test_gumbel_slices_interpret(small_blocks):
     check_slices("cpu", 300)  # five slices of 64
+
+
+@needs_interpreter
+def test_gumbel_bitmask_interpret(small_blocks):
+    check_bitmask("cpu", 40, 150)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("vocab_size", [150, 151936])
+def test_gumbel_bitmask_gpu(vocab_size):
+    check_bitmask("cuda", 64, vocab_size)
 
 
 @pytest.mark.gpu
@@ -95,7 +136,10 @@ def test_sampler_takes_the_kernel_for_temperature_rows(monkeypatch):
 
     def spy(*args):
         calls.append(args[0].dtype)
+        masks.append(args[3] if len(args) > 3 else None)
         return real(*args)
+
+    masks = []
 
     monkeypatch.setattr(gs, "gumbel_sample", spy)
     rows = 20_000
@@ -114,3 +158,16 @@ def test_sampler_takes_the_kernel_for_temperature_rows(monkeypatch):
     meta.generators = {11: torch.Generator(device="cuda").manual_seed(5)}
     Sampler()(logits, meta)
     assert len(calls) == 1  # a seeded row: the PyTorch path
+    # A grammar bitmask as the only edit, every row random: the pass reads it (no float32 copy); with a greedy row
+    # the bitmask is applied to a float32 copy first (the argmax needs it) and the pass gets no mask.
+    bitmask = torch.full((rows, 1), 0b0011, dtype=torch.int32, device="cuda")  # tokens 0 and 1
+    meta = SamplingMetadata(all_greedy=False, all_random=True, temperature=temperature, grammar_bitmask=bitmask)
+    out = Sampler()(logits, meta).sampled_token_ids.cpu()
+    assert calls[-1] == torch.bfloat16 and masks[-1] is bitmask
+    assert set(out.tolist()) == {0, 1}
+    meta = SamplingMetadata(
+        all_greedy=False, all_random=False, greedy_mask=greedy, temperature=temperature, grammar_bitmask=bitmask
+    )
+    out = Sampler()(logits, meta).sampled_token_ids.cpu()
+    assert calls[-1] == torch.float32 and masks[-1] is None
+    assert (out[:10] == 0).all() and set(out[10:].tolist()) == {0, 1}
