@@ -237,21 +237,8 @@ class ModelRunner:
         seq_len = min(num_tokens, self.max_model_len)
         num_reqs = _cdiv(num_tokens, seq_len)
         q_lens = [seq_len] * (num_reqs - 1) + [num_tokens - seq_len * (num_reqs - 1)]
-        qsl = torch.tensor([0, *np.cumsum(q_lens).tolist()], dtype=torch.int32)
-        seq_lens = torch.tensor(q_lens, dtype=torch.int32)
         block_table = torch.arange(n_blocks, dtype=torch.int32).repeat(num_reqs, 1) % n_blocks
-        meta = AttentionMetadata(
-            num_reqs=num_reqs,
-            num_tokens=num_tokens,
-            max_query_len=max(q_lens),
-            max_seq_len=max(q_lens),
-            query_start_loc=qsl.to(self.device),
-            seq_lens=seq_lens.to(self.device),
-            block_table=block_table.to(self.device),
-            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=self.device),
-            query_start_loc_cpu=qsl,
-            seq_lens_cpu=seq_lens,
-        )
+        meta = self._unwritten_metadata(q_lens, q_lens, block_table.to(self.device), kv_groups=1)
         hidden = self._forward(input_ids, positions, caches, meta, communicate=False)
         spec = self.config.speculative_config
         logits_per_req = 1 if spec is None else 1 + spec.num_speculative_tokens  # verification: k + 1 rows
@@ -362,27 +349,34 @@ class ModelRunner:
         """The forward of a step with a decode (context 1) then a chunk of ``chunk`` tokens ending at ``seq_len``,
         every block read being block 0 and nothing written (slot -1)."""
         dev = self.device
-        n = chunk + 1
-        qsl = torch.tensor([0, 1, n], dtype=torch.int32)
-        seq_lens = torch.tensor([1, seq_len], dtype=torch.int32)
         table = torch.zeros(2, _cdiv(seq_len, self.block_size), dtype=torch.int32, device=dev)
-        slots = torch.full((n,), -1, dtype=torch.long, device=dev)
-        meta = AttentionMetadata(
-            num_reqs=2,
-            num_tokens=n,
-            max_query_len=chunk,
-            max_seq_len=seq_len,
-            query_start_loc=qsl.to(dev),
-            seq_lens=seq_lens.to(dev),
-            block_table=table,
-            slot_mapping=slots,
-            query_start_loc_cpu=qsl,
-            seq_lens_cpu=seq_lens,
-            kv_group_tables=tuple((table, slots) for _ in range(self.kv_layout.num_groups - 1)),
-        )
-        ids = torch.zeros(n, dtype=torch.long, device=dev)
+        meta = self._unwritten_metadata([1, chunk], [1, seq_len], table, self.kv_layout.num_groups)
+        ids = torch.zeros(chunk + 1, dtype=torch.long, device=dev)
         positions = torch.tensor([0, *range(seq_len - chunk, seq_len)], device=dev)
         return self._forward(ids, positions, self.kv_caches, meta, communicate=False)
+
+    def _unwritten_metadata(
+        self, q_lens: list[int], seq_lens: list[int], block_table: torch.Tensor, kv_groups: int
+    ) -> AttentionMetadata:
+        """Metadata of a dummy step (memory profile, warm-up): requests of ``q_lens`` new tokens and ``seq_lens``
+        context read through ``block_table`` (on the device, shared by all ``kv_groups``); no slot is written."""
+        num_tokens = sum(q_lens)
+        qsl = torch.tensor([0, *np.cumsum(q_lens).tolist()], dtype=torch.int32)
+        seq = torch.tensor(seq_lens, dtype=torch.int32)
+        slots = torch.full((num_tokens,), -1, dtype=torch.long, device=self.device)  # -1: not written
+        return AttentionMetadata(
+            num_reqs=len(q_lens),
+            num_tokens=num_tokens,
+            max_query_len=max(q_lens),
+            max_seq_len=max(seq_lens),
+            query_start_loc=qsl.to(self.device),
+            seq_lens=seq.to(self.device),
+            block_table=block_table,
+            slot_mapping=slots,
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=seq,
+            kv_group_tables=tuple((block_table, slots) for _ in range(kv_groups - 1)),
+        )
 
     # ------------------------------------------------------------------ one step
 
