@@ -5,7 +5,8 @@
 is Exp(1), and ``log probs - log E`` differs from ``logits / T + G`` by the row's constant ``log Z``). That path
 makes five fp32 passes over ``[num_reqs, vocab_size]`` (temperature, softmax, the draws, the division, the argmax)
 plus the upcast; here each program reads its slice of one row once, in the logits' own dtype, draws its uniforms
-with Philox (``tl.rand``, keyed by a per-call seed and the element's index) and keeps a running best. A second,
+with Philox (keyed by a per-call seed; the counter is the token's index and the row's, so no batch is too large for
+32-bit counters) and keeps a running best. A second,
 tiny step takes the best of each row's slices.
 
 Structured outputs: with ``bitmask`` (``[num_reqs, ceil(vocab_size / 32)]`` int32, bit ``j`` of word ``w`` allows
@@ -47,17 +48,21 @@ def _gumbel_argmax_kernel(
     row = tl.program_id(0)
     part = tl.program_id(1)
     inv_temp = tl.load(inv_temp_ptr + row)
+    row_logits = logits_ptr + row.to(tl.int64) * stride_logits
+    row_bitmask = bitmask_ptr + row.to(tl.int64) * stride_bitmask
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_at = tl.zeros([BLOCK], tl.int32)
     base = part * SLICE
     for start in range(0, SLICE, BLOCK):
         offs = base + start + tl.arange(0, BLOCK)  # [BLOCK] token ids
         ok = offs < vocab_size
-        x = tl.load(logits_ptr + row * stride_logits + offs, mask=ok, other=float("-inf")).to(tl.float32)
-        u = tl.rand(seed, row * vocab_size + offs)  # [BLOCK] uniform in [0, 1)
+        x = tl.load(row_logits + offs, mask=ok, other=float("-inf")).to(tl.float32)
+        zero = tl.zeros_like(offs).to(tl.uint32)
+        bits, _, _, _ = tl.philox(seed, offs.to(tl.uint32), zero + row.to(tl.uint32), zero, zero)
+        u = tl.uint_to_uniform_float(bits)  # [BLOCK] uniform in [0, 1)
         score = x * inv_temp - tl.log(-tl.log(u))  # u == 0 gives -inf: never drawn
         if MASKED:
-            words = tl.load(bitmask_ptr + row * stride_bitmask + offs // 32, mask=ok, other=0)
+            words = tl.load(row_bitmask + offs // 32, mask=ok, other=0)
             score = tl.where(((words >> (offs % 32)) & 1) != 0, score, float("-inf"))
         better = score > best
         best = tl.where(better, score, best)
@@ -80,7 +85,6 @@ def gumbel_sample(
     if bitmask is not None:
         assert bitmask.dtype == torch.int32 and bitmask.stride(1) == 1 and bitmask.shape[0] == num_reqs
         assert bitmask.shape[1] * 32 >= vocab_size, f"bitmask of {bitmask.shape[1]} words for {vocab_size} tokens"
-    assert num_reqs * vocab_size < 2**31, "Philox offsets are int32"
     num_slices = triton.cdiv(vocab_size, _SLICE)
     dev = logits.device
     if temperature is None:

@@ -12,13 +12,14 @@ import importlib.util
 import time
 
 import pytest
-import ray
 import torch.distributed as dist
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import ParallelConfig, make_engine_config
-from pagedllm.distributed.ray_executor import ACTOR_NAME_PREFIX
 from tests.utils import hf_greedy
+
+ray = pytest.importorskip("ray")  # in the `test` extra; the GPU image has no ray
+from pagedllm.distributed.ray_executor import ACTOR_NAME_PREFIX  # noqa: E402
 
 MAX_NEW = 8
 NUM_CPUS = 4

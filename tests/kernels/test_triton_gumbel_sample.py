@@ -72,7 +72,7 @@ def check_bitmask(device: str, rows: int, vocab_size: int) -> None:
     row = torch.tensor([0.5, 2.0, -1.0, 1.0] + [3.0] * (vocab_size - 4))
     word = torch.zeros(num_words, dtype=torch.int32)
     word[0] = 0b1011  # tokens 0, 1 and 3
-    reps = 1500 if device == "cpu" else 50_000
+    reps = 1500 if device == "cpu" else min(50_000, 2**29 // vocab_size)  # at most 2 GiB of float32 logits
     draws = gs.gumbel_sample(row.repeat(reps, 1).to(device), None, 6, word.repeat(reps, 1).to(device)).cpu()
     freq = torch.bincount(draws, minlength=vocab_size).float() / reps
     want = torch.zeros(vocab_size)
@@ -171,3 +171,23 @@ def test_sampler_takes_the_kernel_for_temperature_rows(monkeypatch):
     out = Sampler()(logits, meta).sampled_token_ids.cpu()
     assert calls[-1] == torch.float32 and masks[-1] is None
     assert (out[:10] == 0).all() and set(out[10:].tolist()) == {0, 1}
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gumbel_batch_past_int32_elements_gpu():
+    """More than 2**31 logits in one call (14,200 rows of a 151,936-token vocabulary, bf16): row offsets and Philox
+    counters must not wrap. The last rows allow one token each, which they must draw."""
+    rows, vocab_size = 14_200, 151_936
+    assert rows * vocab_size > 2**31
+    logits = torch.zeros(rows, vocab_size, dtype=torch.bfloat16, device="cuda")
+    num_words = (vocab_size + 31) // 32
+    bitmask = torch.full((rows, num_words), -1, dtype=torch.int32, device="cuda")
+    last = torch.arange(rows - 8, rows, device="cuda")
+    allowed = vocab_size - 1 - (last - (rows - 8)) * 997  # one token per row, in the rows' last words
+    bitmask[last] = 0
+    bitmask[last, allowed // 32] = torch.where(allowed % 32 == 31, -(2**31), 1 << (allowed % 32)).to(torch.int32)
+    ids = gs.gumbel_sample(logits, None, 11, bitmask)
+    assert torch.equal(ids[last], allowed)
+    assert ((ids >= 0) & (ids < vocab_size)).all()
+
