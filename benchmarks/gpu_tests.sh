@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# The whole GPU test suite (`pytest -m gpu tests/`) in one device call: three pytest processes share the GPU (the
+# The whole GPU test suite (`pytest -m gpu tests/`) in one device call: four pytest processes share the GPU (the
 # tests' models are tiny; most of the time is Triton compiling, which the machine's CPU cores do side by side).
 # Each group's log goes to $OUT (or .out/) as gpu_tests_<group>.log; the script exits non-zero if any group fails.
-#   bash benchmarks/gpu_tests.sh
+#   bash benchmarks/gpu_tests.sh [GROUP...]     (attention_kernel, kernels, engine, models; default all)
 # The structured-output tests need xgrammar and jsonschema and the server tests fastapi and openai: carry their
 # wheels (../shared/device/gpu-wheels.sh jsonschema referencing rpds-py jsonschema-specifications attrs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-source benchmarks/lib.sh
+source benchmarks/lib.sh "$@"
 if [ -d .whl ] && ! $py -c "import xgrammar, jsonschema" 2>/dev/null; then
   $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="/tmp/site:$PYTHONPATH"
@@ -17,8 +17,12 @@ k=tests/kernels
 groups=(
   "attention_kernel:$k/test_triton_paged_attention.py"
   "kernels:$k/test_triton_fused_moe.py $k/test_mla_decode.py $k/test_triton_small_kernels.py $k/test_triton_gumbel_sample.py $k/test_token_bitmask.py tests/attention tests/quantization"
-  "engine:tests/engine tests/structured_output tests/lora tests/models tests/spec_decode tests/distributed tests/sample tests/benchmarks tests/core tests/entrypoints tests/tools tests/test_demo_model.py"
+  "engine:tests/engine tests/structured_output tests/sample tests/benchmarks tests/core tests/entrypoints tests/tools tests/test_demo_model.py"
+  "models:tests/lora tests/models tests/spec_decode tests/distributed"
 )
+selected=()
+for g in "${groups[@]}"; do want "${g%%:*}" && selected+=("$g"); done
+groups=("${selected[@]}")
 pids=()
 for g in "${groups[@]}"; do
   name=${g%%:*}; paths=${g#*:}

@@ -24,6 +24,7 @@ from pagedllm.layers.embedding import LMHead, VocabEmbedding
 from pagedllm.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, get_rope, rope_config
+from pagedllm.platform import use_fused_kernels
 
 
 def head_dim_of(config: Any) -> int:
@@ -111,6 +112,17 @@ class LlamaAttention(nn.Module):
             return q, k
         return self.q_norm(q), self.k_norm(k)
 
+    def _fused_qk_norm_rope(self, q: torch.Tensor) -> bool:
+        """Whether the q/k norm and RoPE run as one Triton launch (``kernels/qk_norm_rope.py``): on the fused
+        kernels' devices, for the plain RMSNorm (Qwen3) and the plain rotary table (not Gemma's norm, say)."""
+        return (
+            self.qk_norm_cls is not None
+            and type(self.q_norm) is RMSNorm
+            and type(self.k_norm) is RMSNorm
+            and type(self.rotary_emb) is RotaryEmbedding
+            and use_fused_kernels(q)
+        )
+
     def forward(
         self,
         positions: torch.Tensor,  # [T]
@@ -124,8 +136,18 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, num_heads, head_dim]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, num_kv_heads, head_dim]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, num_kv_heads, head_dim]
-        q, k = self.qk_norm(q, k)
-        q, k = self.rotary_emb(positions, q, k)
+        if self._fused_qk_norm_rope(q):
+            from pagedllm.kernels.qk_norm_rope import qk_norm_rope
+
+            half = self.rotary_emb.rotary_dim // 2
+            cos_sin = self.rotary_emb.cos_sin_cache  # [max_position, rotary_dim]: [cos | sin]
+            qk_norm_rope(
+                positions, q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                cos_sin[:, :half], cos_sin[:, half:],
+            )  # fmt: skip
+        else:
+            q, k = self.qk_norm(q, k)
+            q, k = self.rotary_emb(positions, q, k)
         o = self.attn(q, k, v, kv_cache, attn_metadata)  # [T, num_heads, head_dim]
         return self.o_proj(o.reshape(num_tokens, self.num_heads * self.head_dim))
 

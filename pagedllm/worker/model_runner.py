@@ -321,9 +321,10 @@ class ModelRunner:
 
         Dummy steps of a decode then a chunk of L tokens (nothing written to the cache) meet the variants:
         a mixed step's prefill tiles depend on its longest chunk through the next power of two (``tile_config``),
-        so L = 2, 4, ..., 64 meets every tile configuration; and when few prefill tiles remain over a long context
-        (the tail of a run's prefills) the launch splits its keys (``num_kv_splits``), one variant per split count,
-        which a chunk of 64 over contexts of 512, 1024, ... max_model_len tokens meets. Then the one-pass sampler.
+        so L = 2, 4, ..., 64 meets every tile configuration; and when few tiles share a long context (the tail of
+        a run's prefills; the few decodes that lead a mixed step, in their own launch) the launch splits its keys
+        (``num_kv_splits``), one variant per split count, which a decode and a chunk of 64 over contexts of 512,
+        1024, ... max_model_len tokens meet. Then the one-pass sampler, without and with a grammar bitmask.
         """
         hidden = None
         for chunk in (2, 4, 8, 16, 32, 64):
@@ -342,17 +343,28 @@ class ModelRunner:
                 from pagedllm.kernels.gumbel_sample import gumbel_sample
 
                 gumbel_sample(logits, None, 0)
+                words = torch.full((1, _cdiv(logits.shape[-1], 32)), -1, dtype=torch.int32, device=logits.device)
+                gumbel_sample(logits, None, 0, words)  # with a grammar bitmask (structured outputs)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            from pagedllm.kernels.compile_watch import log_later_compiles
+
+            log_later_compiles()  # a variant this warm-up missed gets a log line naming it
+
+    def _table_width(self, max_seq_len: int) -> int:
+        """Columns of an eager step's block table: its longest context's blocks, rounded up to a multiple of 16
+        (within the batch's table). The row stride is a kernel argument that Triton specializes on (divisible by 16
+        or not): one width rule keeps every step, and the warm-up, on the same variant."""
+        return min(_cdiv(_cdiv(max_seq_len, self.block_size), 16) * 16, self.max_blocks_per_req)
 
     def _dummy_mixed_step(self, chunk: int, seq_len: int) -> Any:
-        """The forward of a step with a decode (context 1) then a chunk of ``chunk`` tokens ending at ``seq_len``,
+        """The forward of a step with a decode then a chunk of ``chunk`` tokens, both over contexts of ``seq_len``,
         every block read being block 0 and nothing written (slot -1)."""
         dev = self.device
-        table = torch.zeros(2, _cdiv(seq_len, self.block_size), dtype=torch.int32, device=dev)
-        meta = self._unwritten_metadata([1, chunk], [1, seq_len], table, self.kv_layout.num_groups)
+        table = torch.zeros(2, self._table_width(seq_len), dtype=torch.int32, device=dev)
+        meta = self._unwritten_metadata([1, chunk], [seq_len, seq_len], table, self.kv_layout.num_groups)
         ids = torch.zeros(chunk + 1, dtype=torch.long, device=dev)
-        positions = torch.tensor([0, *range(seq_len - chunk, seq_len)], device=dev)
+        positions = torch.tensor([seq_len - 1, *range(seq_len - chunk, seq_len)], device=dev)
         return self._forward(ids, positions, self.kv_caches, meta, communicate=False)
 
     def _unwritten_metadata(
@@ -442,7 +454,7 @@ class ModelRunner:
             block_ids.astype(np.int64) * self.block_size + positions % self.block_size
         )  # [groups, num_tokens]
         seq_lens = (num_computed + num_sched).astype(np.int32)  # [num_reqs]
-        max_blocks = _cdiv(int(seq_lens.max()), self.block_size)
+        max_blocks = self._table_width(int(seq_lens.max()))
         block_table = batch.block_table_np[:, rows, :max_blocks]  # [groups, num_reqs, max_blocks]
 
         # Speculative decoding: a request's drafts follow its last token, in the batch past its known tokens.
