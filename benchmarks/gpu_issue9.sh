@@ -7,6 +7,11 @@ cd "$(dirname "$0")/.."
 out="${OUT:-.out}"; mkdir -p "$out"
 py=python3
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
+# The start-up and serve rows need the server's wheels (../shared/device/gpu-wheels.sh; carry .whl).
+if [ -d .whl ] && ! $py -c "import fastapi, uvicorn" 2>/dev/null; then
+  $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="/tmp/site:$PYTHONPATH"
+fi
 bash benchmarks/gpu_suite.sh qwen-latency qwen-nano qwen-throughput llama-latency llama-throughput hf startup serve
 if [ "${1:-}" = profile ]; then
   $py -m pagedllm.benchmarks.shapes "$out/models" >/dev/null
