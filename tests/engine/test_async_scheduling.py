@@ -195,3 +195,30 @@ def test_start_up_warm_up_of_mixed_steps_writes_nothing(tiny_llama):
     assert all(torch.equal(a, b) for a, b in zip(caches, runner.kv_caches, strict=True))
     after = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
     assert after == before
+
+
+@pytest.mark.parametrize("max_model_len", [512, 100])
+def test_eager_block_table_width_is_one_rule(tiny_llama, max_model_len):
+    """Eager steps and the warm-up's dummy steps size the block table by one rule (``_table_width``): a multiple
+    of 16 columns, or the batch's whole table when that is narrower. Its row stride is a kernel argument Triton
+    specializes on (divisible by 16 or not), so any other width would make a kernel variant the warm-up never
+    compiled (a stall of seconds mid-run on a cold cache)."""
+    llm = _llm(tiny_llama, True, max_model_len=max_model_len)
+    runner = llm.llm_engine.engine_core.runner
+    full = runner.max_blocks_per_req
+    assert full == -(-max_model_len // 4)
+    widths = []
+    real = runner._forward
+
+    def forward(input_ids, positions, kv_caches, meta, communicate=True):
+        widths.append(meta.block_table.shape[1])
+        return real(input_ids, positions, kv_caches, meta, communicate)
+
+    runner._forward = forward
+    prompts = _prompts(6, seed=3, lo=2, hi=90)
+    llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=8))
+    runner._warm_up_eager_steps()
+    assert widths and all(w % 16 == 0 or w == full for w in widths), widths
+    assert {runner._table_width(n) for n in (1, 4 * 16, 4 * 16 + 1, max_model_len)} == (
+        {16, 32, full} if max_model_len == 512 else {16, full}
+    )
