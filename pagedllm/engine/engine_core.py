@@ -228,9 +228,13 @@ class EngineCore:
     def _complete_sample(self) -> None:
         """Sample the launched step whose bitmask was being filled in the background (async scheduling)."""
         if self._pending_sample is not None:
-            step, future = self._pending_sample
-            self._pending_sample = None
-            self.runner.sample(step, future.result())
+            self.runner.sample(*self._await_bitmask())
+
+    def _await_bitmask(self) -> tuple[StepInFlight, Any]:
+        """The pending step and its bitmask, once the background fill is done (the engine thread waits here)."""
+        step, future = self._pending_sample
+        self._pending_sample = None
+        return step, future.result()
 
     def _wait_for_grammars(self) -> None:
         """Nothing could be scheduled: if requests wait for their grammar, block briefly on the first of them

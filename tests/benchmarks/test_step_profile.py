@@ -24,8 +24,8 @@ def test_every_phase_is_timed(tiny_llama: str, async_scheduling: bool) -> None:
     assert report["steps"] >= 8
     for phase in ("schedule", "launch", "sample", "wait", "update"):
         assert report[f"{phase}_ms_per_step"] > 0, phase
-    if not async_scheduling:  # the async loop fills masks in a worker thread (counted under "other")
-        assert report["mask_ms_per_step"] > 0
+    # sync: the fill on the engine's thread; async: waiting for the fill in the worker thread (maybe ~0, not 0)
+    assert report["mask_ms_per_step"] > 0
     assert report["other_ms_per_step"] >= 0
     assert "launch" in format_report(report)
     # The wrappers are gone again: the engine runs its own methods.
