@@ -416,6 +416,46 @@ class AsyncLLM:
             engine_core.shutdown()
 
 
+def merge_request_outputs(first: RequestOutput, then: RequestOutput, kind: RequestOutputKind) -> RequestOutput:
+    """One output that stands for ``first`` followed by ``then`` (two consecutive outputs of one request).
+
+    Cumulative outputs already hold everything: ``then``'s sequences replace ``first``'s. Delta outputs are
+    concatenated per sequence (text, token ids, logprobs; the finish reason and cumulative logprob are ``then``'s)
+    and so are delta prompt logprobs. A sequence only one of them carries is kept as it is."""
+    delta = kind == RequestOutputKind.DELTA
+    by_index = {c.index: c for c in first.outputs}
+    for c in then.outputs:
+        old = by_index.get(c.index)
+        if old is not None and delta:
+            if old.logprobs is not None and c.logprobs is not None:
+                logprobs = old.logprobs + c.logprobs
+            else:
+                logprobs = c.logprobs if old.logprobs is None else old.logprobs
+            c = CompletionOutput(
+                index=c.index,
+                text=old.text + c.text,
+                token_ids=old.token_ids + c.token_ids,
+                cumulative_logprob=c.cumulative_logprob,
+                logprobs=logprobs,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+        by_index[c.index] = c
+    prompt_logprobs = then.prompt_logprobs
+    if delta and first.prompt_logprobs is not None:
+        prompt_logprobs = first.prompt_logprobs + (then.prompt_logprobs or [])
+    return RequestOutput(
+        request_id=then.request_id,
+        prompt=then.prompt,
+        prompt_token_ids=then.prompt_token_ids,
+        prompt_logprobs=prompt_logprobs,
+        outputs=sorted(by_index.values(), key=lambda c: c.index) if delta else list(by_index.values()),
+        finished=then.finished,
+        num_cached_tokens=then.num_cached_tokens,
+        metrics=then.metrics,
+    )
+
+
 class RequestStream:
     """The outputs of one request, as an async iterator; ``close()`` aborts the request if it still runs."""
 
@@ -427,6 +467,7 @@ class RequestStream:
         self.params: SamplingParams = processed.params
         self._entry = entry
         self._last: RequestOutput | None = None
+        self._held: Any = None  # an item taken from the queue while merging, not yet delivered
         self.finished = False
         self._closed = False
 
@@ -437,7 +478,18 @@ class RequestStream:
         if self.finished or self._closed:
             raise StopAsyncIteration
         queue = self._entry.queue
-        item = queue.get_nowait() if not queue.empty() else await queue.get()
+        if self._held is not None:
+            item, self._held = self._held, None
+        else:
+            item = queue.get_nowait() if not queue.empty() else await queue.get()
+        # A consumer that fell behind (a busy server) gets what queued up as one output, as vLLM's collector does:
+        # fewer, larger stream chunks instead of a burst of small ones sent back to back.
+        while isinstance(item, RequestOutput) and not item.finished and not queue.empty():
+            nxt = queue.get_nowait()
+            if not isinstance(nxt, RequestOutput):
+                self._held = nxt  # an error or an abort: delivered by the next call
+                break
+            item = merge_request_outputs(item, nxt, self.params.output_kind)
         if isinstance(item, BaseException):
             self.finished = True  # nothing more will come; the engine side is already cleaned up
             self.close()

@@ -75,6 +75,31 @@ async def test_output_kinds_agree(engine):
     await assert_clean(engine)
 
 
+async def test_a_consumer_behind_gets_merged_outputs(engine):
+    """Outputs that queued up while the consumer was away come as one (vLLM's collector does the same): deltas
+    concatenated per sequence, logprobs included; cumulative outputs as the latest. Nothing is lost or repeated."""
+    base = dict(temperature=0.0, max_tokens=12, ignore_eos=True)
+    final = await collect(
+        engine, "def g(y):", SamplingParams(**base, n=2, output_kind=RequestOutputKind.FINAL_ONLY), "m-final"
+    )
+    want = {c.index: c for c in final[-1].outputs}
+    for kind in (RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE):
+        params = SamplingParams(**base, n=2, logprobs=1, output_kind=kind)
+        stream = engine.add_request(f"m-{kind.name}", "def g(y):", params)
+        deadline = time.monotonic() + 20
+        while engine.output_processor.has_unfinished_requests():  # everything queued, nothing read yet
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        outs = [out async for out in stream]
+        assert len(outs) == 1 and outs[0].finished, kind
+        got = {c.index: c for c in outs[0].outputs}
+        assert sorted(got) == [0, 1]
+        for i, c in got.items():
+            assert c.token_ids == want[i].token_ids and c.text == want[i].text, kind
+            assert len(c.logprobs) == 12 and c.finish_reason == "length"
+    await assert_clean(engine)
+
+
 async def test_n_and_concurrency(engine):
     params = SamplingParams(
         n=3, temperature=1.0, seed=3, max_tokens=8, output_kind=RequestOutputKind.FINAL_ONLY
