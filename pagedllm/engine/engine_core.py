@@ -14,6 +14,7 @@ from pagedllm.core.kv_cache_manager import KVCacheManager, blocks_per_sequence, 
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import EngineCoreOutputs, EngineCoreRequest, SchedulerOutput, SchedulerStats
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.kernels import compile_watch
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.worker.model_runner import ModelRunner, StepInFlight
 
@@ -55,7 +56,8 @@ class EngineCore:
             self.proposer = make_proposer(config, self.runner)
         t_load = time.perf_counter()
         extra_block_bytes = self.proposer.kv_block_bytes() if self.proposer is not None else 0
-        num_blocks = self.runner.determine_num_blocks(extra_block_bytes)
+        with compile_watch.start_up():
+            num_blocks = self.runner.determine_num_blocks(extra_block_bytes)
         t_profile = time.perf_counter()
         block_size = config.cache_config.block_size
         max_model_len = config.model_config.max_model_len
@@ -74,7 +76,8 @@ class EngineCore:
             )
         self.runner.init_kv_cache(num_blocks)
         t_kv = time.perf_counter()
-        self.runner.maybe_capture_cuda_graphs()
+        with compile_watch.start_up():
+            self.runner.maybe_capture_cuda_graphs()
         t_graphs = time.perf_counter()
         # One line `pagedllm bench startup` reads back.
         logger.info(

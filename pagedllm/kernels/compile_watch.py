@@ -10,11 +10,25 @@ kernel, the values it specializes on (constexprs, integers equal to 1) and its d
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 logger = logging.getLogger(__name__)
 _installed = False  # one hook per process, however many engines it starts
+_starting = 0  # engines of this process inside start_up(): their compiles are expected, not logged
+
+
+@contextmanager
+def start_up() -> Iterator[None]:
+    """An engine's start-up (memory profile, graph capture, warm-up): compiles here are the expected ones, also
+    when an earlier engine of this process already installed the hook."""
+    global _starting
+    _starting += 1
+    try:
+        yield
+    finally:
+        _starting -= 1
 
 
 def describe_variant(arg_names: Sequence[str], constants: Mapping[Any, Any], attrs: Mapping[Any, Any]) -> str:
@@ -51,6 +65,8 @@ def log_later_compiles() -> bool:
     previous = runtime.jit_cache_hook
 
     def hook(**kwargs: Any) -> Any:
+        if _starting:
+            return previous(**kwargs) if previous is not None else None
         try:
             fn = kwargs["fn"]
             compile_info = kwargs.get("compile", {})

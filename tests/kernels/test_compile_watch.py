@@ -57,3 +57,19 @@ def test_no_hook_without_triton(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", None)  # import fails
     monkeypatch.setattr(compile_watch, "_installed", False)
     assert not compile_watch.log_later_compiles()
+
+
+def test_quiet_during_an_engines_start_up(fake_triton, caplog):
+    """A second engine's start-up in the same process compiles its own variants: expected, not logged (the hook
+    the first engine installed stays, and still chains)."""
+    runtime, calls = fake_triton
+    compile_watch.log_later_compiles()
+    fn = types.SimpleNamespace(name="k", jit_function=types.SimpleNamespace(params=[]))
+    with caplog.at_level(logging.WARNING, logger=compile_watch.__name__):
+        with compile_watch.start_up():
+            runtime.jit_cache_hook(fn=fn, compile={}, repr="r")
+        assert "first met" not in caplog.text
+        runtime.jit_cache_hook(fn=fn, compile={}, repr="r")
+    assert "first met after start-up: k()" in caplog.text
+    assert len(calls) == 2
+
