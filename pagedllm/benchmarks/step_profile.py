@@ -4,9 +4,9 @@
 Wraps one ``EngineCore``'s phases with timers: ``schedule``, ``launch`` (input preparation and the forward's
 kernel launches, ``ModelRunner.launch``), ``sample`` (sampling metadata and the sampler's launches), ``mask``
 (structured outputs: filling a step's token bitmask on the engine's thread, or, with async scheduling, waiting for
-the fill running in the background), ``wait`` (blocked in ``collect`` for
-the device to finish a step: large means the GPU is the bottleneck), ``update`` (``update_from_output``) and the
-rest of each engine step (front-end output processing). On CUDA an event before each launch and one after its sampling bracket the step; the GPU is "busy"
+the fill running in the background), ``wait`` (blocked in ``collect`` for the device to finish a step: large means
+the GPU is the bottleneck), ``update`` (``update_from_output``) and the rest of each engine step (front-end output
+processing). On CUDA an event before each launch and one after its sampling bracket the step; the GPU is "busy"
 from the start event (which fires once the previous work is done) to the end event, so the busy fraction is the
 sum of those intervals over the wall time (it counts gaps while the host is still launching a step as busy).
 """

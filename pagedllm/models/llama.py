@@ -81,6 +81,9 @@ class LlamaAttention(nn.Module):
         if self.qk_norm_cls is not None:  # one [head_dim] weight each, shared by the heads
             self.q_norm = self.qk_norm_cls(self.head_dim, config.rms_norm_eps)
             self.k_norm = self.qk_norm_cls(self.head_dim, config.rms_norm_eps)
+        # The plain RMSNorm (Qwen3) and rotary table: on the fused kernels' devices, the q/k norm and RoPE run as one
+        # Triton launch (kernels/qk_norm_rope.py). Gemma's norm keeps the unfused path.
+        self.norm_rope_fusable = self.qk_norm_cls is RMSNorm and type(rotary_emb) is RotaryEmbedding
         self.attn = Attention(
             self.num_heads,
             self.head_dim,
@@ -112,17 +115,6 @@ class LlamaAttention(nn.Module):
             return q, k
         return self.q_norm(q), self.k_norm(k)
 
-    def _fused_qk_norm_rope(self, q: torch.Tensor) -> bool:
-        """Whether the q/k norm and RoPE run as one Triton launch (``kernels/qk_norm_rope.py``): on the fused
-        kernels' devices, for the plain RMSNorm (Qwen3) and the plain rotary table (not Gemma's norm, say)."""
-        return (
-            self.qk_norm_cls is not None
-            and type(self.q_norm) is RMSNorm
-            and type(self.k_norm) is RMSNorm
-            and type(self.rotary_emb) is RotaryEmbedding
-            and use_fused_kernels(q)
-        )
-
     def forward(
         self,
         positions: torch.Tensor,  # [T]
@@ -136,7 +128,7 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, num_heads, head_dim]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, num_kv_heads, head_dim]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, num_kv_heads, head_dim]
-        if self._fused_qk_norm_rope(q):
+        if self.norm_rope_fusable and use_fused_kernels(q):
             from pagedllm.kernels.qk_norm_rope import qk_norm_rope
 
             half = self.rotary_emb.rotary_dim // 2

@@ -21,6 +21,7 @@ from pagedllm.core.kv_cache_manager import KVCacheLayout, plan_kv_cache_layout
 from pagedllm.core.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.parallel_state import local_num_kv_heads
 from pagedllm.layers.attention import Attention, kv_scales_summary
+from pagedllm.platform import use_fused_kernels
 from pagedllm.sample.metadata import build_plain_sampling_metadata, build_sampling_metadata
 from pagedllm.sample.sampler import LogprobsTensors, Sampler, compute_logprobs_topk
 from pagedllm.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, rejection_sample
@@ -336,8 +337,6 @@ class ModelRunner:
             hidden = self._dummy_mixed_step(64, context)
             context *= 2
         if isinstance(hidden, torch.Tensor):
-            from pagedllm.platform import use_fused_kernels
-
             logits = self.model.compute_logits(hidden[-1:])
             if use_fused_kernels(logits):
                 from pagedllm.kernels.gumbel_sample import gumbel_sample

@@ -488,3 +488,14 @@ def test_yarn_rope_matches_transformers(scaling: dict) -> None:
     freqs = torch.outer(positions, want_freq.float())
     want = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * want_factor
     torch.testing.assert_close(rope.cos_sin_cache, want, atol=1e-6, rtol=1e-6)
+
+
+def test_fused_qk_norm_rope_picked_for_plain_rms_norm_only(tiny_model_dirs: dict[str, str]) -> None:
+    """Qwen3's plain RMSNorm and rotary table may take the one-launch q/k norm + RoPE kernel on CUDA; Gemma 3's
+    norm (weight offset by one) and models without q/k norms may not."""
+    from pagedllm.models.llama import LlamaAttention
+
+    for arch, fusable in (("qwen3", True), ("gemma3", False), ("llama", False)):
+        model, _ = load_ours(tiny_model_dirs[arch], load_format="dummy")
+        flags = {m.norm_rope_fusable for m in model.modules() if isinstance(m, LlamaAttention)}
+        assert flags == {fusable}, arch
