@@ -40,6 +40,7 @@ from pagedllm.config import ModelConfig
 from pagedllm.distributed.parallel_state import PPGroup, TPGroup, verify_pp_config, verify_tp_config
 from pagedllm.distributed.pipeline import PPMissingLayer
 from pagedllm.layers.attention import Attention
+from pagedllm.layers.embedding import LMHead
 from pagedllm.layers.linear import Linear, default_weight_loader, deferred_linear_weights
 from pagedllm.models.registry import get_model_class
 
@@ -95,10 +96,18 @@ def get_model(
         init_dummy_weights(model, model_config.seed)
     else:
         load_weights(model, iter_safetensors(model_config.model_path))
+    process_weights_after_loading(model)
+    return model.eval()
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Once the checkpoint is in: each linear method's post-processing (quantized layouts; on CPU, the
+    oneDNN-packed copies of ``layers/cpu_gemm.py``), and the LM head's packing."""
     for module in model.modules():
         if isinstance(module, Linear):
             module.quant_method.process_weights_after_loading(module)
-    return model.eval()
+        elif isinstance(module, LMHead):
+            module.process_weights_after_loading()
 
 
 def safetensors_files(model_path: str) -> list[str]:

@@ -15,6 +15,7 @@ from torch import nn
 
 from pagedllm.distributed.communicator import all_gather, all_reduce
 from pagedllm.distributed.parallel_state import TPGroup
+from pagedllm.layers.cpu_gemm import linear, pack_weight
 from pagedllm.layers.linear import new_parameter
 
 
@@ -83,9 +84,14 @@ class LMHead(VocabParallelTable):
                     "a tied LM head must be split like its embedding (same tensor-parallel group)"
                 )
             self.weight = tied_to.weight  # [V' / T, hidden_size], shared
+        self.packed_weight: torch.Tensor | None = None
+
+    def process_weights_after_loading(self) -> None:
+        """On CPU, a oneDNN-packed copy of the weight (``cpu_gemm.py``; its own copy when tied)."""
+        self.packed_weight = pack_weight(self.weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden_size] -> [N, vocab_size] float32
-        logits = F.linear(hidden, self.weight).float()  # [N, V' / T]
+        logits = linear(hidden, self.weight, self.packed_weight).float()  # [N, V' / T]
         if self.tp.size == 1:
             return logits
         logits = all_gather(logits, self.tp, dim=-1)  # [N, V'], gathered once

@@ -27,11 +27,11 @@ import contextlib
 from collections.abc import Iterator, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.communicator import all_reduce
 from pagedllm.distributed.parallel_state import TPGroup, divide
+from pagedllm.layers.cpu_gemm import linear, pack_weight
 
 
 def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
@@ -40,7 +40,8 @@ def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> N
         raise ValueError(
             f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded_weight.shape)}"
         )
-    param.data.copy_(loaded_weight)
+    with torch.no_grad():
+        param.copy_(loaded_weight)  # not through .data: the version counter moves (cpu_gemm.PackedWeight reads it)
 
 
 def new_parameter(
@@ -106,9 +107,14 @@ class UnquantizedLinearMethod(LinearMethod):
         else:
             weight = new_parameter(layer.output_size, layer.input_size, weight_loader=layer.weight_loader)
         layer.weight = weight  # [output_size, input_size]
+        layer.packed_weight = None
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        # On CPU, a oneDNN-packed copy of the weight (cpu_gemm.py); None elsewhere.
+        layer.packed_weight = pack_weight(layer.weight)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, layer.weight, layer.bias)
+        return linear(x, layer.weight, getattr(layer, "packed_weight", None), layer.bias)
 
 
 class Linear(nn.Module):

@@ -33,7 +33,13 @@ def _cdiv(a: int, b: int) -> int:
 
 class EagleProposer:
     def __init__(self, config: EngineConfig, runner: Any) -> None:
-        from pagedllm.model_loader import _default_dtype, init_dummy_weights, iter_safetensors, load_weights
+        from pagedllm.model_loader import (
+            _default_dtype,
+            init_dummy_weights,
+            iter_safetensors,
+            load_weights,
+            process_weights_after_loading,
+        )
         from pagedllm.models.eagle import Eagle3LlamaHead, EagleLlamaHead, eagle3_aux_layers
         from pagedllm.models.llama import LlamaModel
 
@@ -72,6 +78,7 @@ class EagleProposer:
             load_weights(head, iter(tensors.items()))
             if d2t is not None:
                 head.d2t.copy_(d2t.to(torch.long))
+        process_weights_after_loading(head)
         self.head = head.eval()
         # Under tensor parallelism the target's embedding and LM head each hold a vocabulary shard, and their
         # forward is a collective the other ranks do not join: the head (on rank 0) reads whole copies.

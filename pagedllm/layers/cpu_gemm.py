@@ -1,0 +1,80 @@
+"""Linear layers on CPU through oneDNN with pre-packed weights.
+
+``F.linear`` on CPU goes to MKL for float32. MKL picks its kernels by CPU vendor, and on the AMD EPYC machines
+this project runs on, the demo model's decode layers ran 2.5-3x faster through oneDNN given the weight once in
+its own blocked layout (docs/benchmarks.md, CPU section). vLLM's CPU backend also runs its linear layers
+through oneDNN with packed weights.
+
+The packed copy is an opaque ``torch._mkldnn`` tensor. The layer keeps its plain ``weight`` (MLA reads
+``kv_b_proj.weight``; LoRA and tests read weights), at the cost of a second copy of the packed layers' weights
+in CPU memory. The copy follows the weight: a weight changed in place (its version counter moves) or replaced by
+another tensor is packed again at its next use. A write through ``weight.data`` bypasses the version counter
+(PyTorch's rule): call the layer's ``process_weights_after_loading`` after one.
+
+oneDNN costs about 10 us more per call than MKL, which only pays for weights of at least ``PACK_MIN_ELEMENTS``
+elements (measured crossover: about 192 x 192 at 48 rows). ``PAGEDLLM_CPU_ONEDNN=0`` turns packing off. The
+results are float32 (or bfloat16) GEMMs with another summation order than MKL's: equal to ``F.linear`` within
+rounding, not bit for bit in float32 (bfloat16 ``F.linear`` already runs through oneDNN).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+PACK_MIN_ELEMENTS = 1 << 16
+_PACKED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def onednn_enabled() -> bool:
+    """Whether CPU linear layers pack their weights for oneDNN (``PAGEDLLM_CPU_ONEDNN``, default on)."""
+    if os.environ.get("PAGEDLLM_CPU_ONEDNN", "1") == "0":
+        return False
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+class PackedWeight:
+    """oneDNN's packed copy of one weight ([out, in]), remade when the weight it was made from changes."""
+
+    __slots__ = ("_key", "_packed", "_weight")
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self._weight = weight
+        self._key: tuple[int, int] | None = None
+        self._packed: torch.Tensor | None = None
+
+    def get(self, weight: torch.Tensor) -> torch.Tensor:
+        """The packed copy of ``weight`` (the layer's current weight tensor), packed again if it changed."""
+        key = (weight._version, weight.data_ptr())
+        if weight is not self._weight or key != self._key:
+            with torch.no_grad():
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+            self._weight, self._key = weight, key
+        return self._packed
+
+
+def pack_weight(weight: torch.Tensor, min_elements: int | None = None) -> PackedWeight | None:
+    """A ``PackedWeight`` for ``weight`` ([out, in]), or None where the layer should stay on ``F.linear``: not on
+    CPU, another dtype, fewer than ``min_elements`` (default ``PACK_MIN_ELEMENTS``) elements, or packing turned
+    off or unavailable."""
+    if weight.device.type != "cpu" or weight.dtype not in _PACKED_DTYPES or weight.dim() != 2:
+        return None
+    least = PACK_MIN_ELEMENTS if min_elements is None else min_elements
+    if weight.numel() == 0 or weight.numel() < least or not onednn_enabled():
+        return None
+    packed = PackedWeight(weight)
+    packed.get(weight)  # pack now (start-up), not at the first step
+    return packed
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None, bias: torch.Tensor | None = None
+) -> torch.Tensor:  # [..., in] -> [..., out]
+    """``F.linear(x, weight, bias)``, through ``packed`` (``pack_weight(weight)``) when there is one."""
+    if packed is None:
+        return F.linear(x, weight, bias)
+    if x.dtype != weight.dtype:  # oneDNN wants one dtype; F.linear raises the same mismatch
+        raise RuntimeError(f"input dtype {x.dtype} does not match the weight's {weight.dtype}")
+    return torch.ops.mkldnn._linear_pointwise(x, packed.get(weight), bias, "none", [], "")

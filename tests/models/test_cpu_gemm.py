@@ -1,0 +1,127 @@
+"""CPU linear layers through oneDNN with packed weights (``pagedllm/layers/cpu_gemm.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention.torch_ref import TorchAttentionBackend
+from pagedllm.config import ModelConfig
+from pagedllm.layers import cpu_gemm
+from pagedllm.layers.cpu_gemm import linear, onednn_enabled, pack_weight
+from pagedllm.layers.embedding import LMHead
+from pagedllm.layers.linear import Linear, UnquantizedLinearMethod
+from pagedllm.model_loader import get_model
+
+needs_onednn = pytest.mark.skipif(not onednn_enabled(), reason="this torch build has no oneDNN linear")
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [0, 1, 7, 48, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear_float32(rows: int, bias: bool) -> None:
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(200, 96, generator=g)
+    b = torch.randn(200, generator=g) if bias else None
+    x = torch.randn(rows, 96, generator=g)
+    packed = pack_weight(w, min_elements=0)
+    assert packed is not None
+    out = linear(x, w, packed, b)
+    assert out.shape == (rows, 200) and out.dtype == torch.float32
+    torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_packed_linear_takes_any_leading_shape_and_strided_input() -> None:
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(64, 32, generator=g)
+    packed = pack_weight(w, min_elements=0)
+    x3 = torch.randn(2, 5, 32, generator=g)  # [B, T, in]
+    torch.testing.assert_close(linear(x3, w, packed), F.linear(x3, w), rtol=1e-5, atol=1e-5)
+    wide = torch.randn(6, 100, generator=g)
+    x = wide[:, 10:42]  # a strided view, as a slice of a fused projection's output is
+    assert not x.is_contiguous()
+    torch.testing.assert_close(linear(x, w, packed), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_packed_linear_bfloat16_equals_f_linear() -> None:
+    # bfloat16 F.linear already runs through oneDNN on CPU: packing changes the layout, not the result.
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(128, 64, generator=g).bfloat16()
+    x = torch.randn(9, 64, generator=g).bfloat16()
+    out = linear(x, w, pack_weight(w, min_elements=0))
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, F.linear(x, w), rtol=1e-2, atol=1e-2)
+
+
+@needs_onednn
+def test_packed_linear_rejects_a_dtype_mismatch() -> None:
+    w = torch.randn(8, 4)
+    with pytest.raises(RuntimeError, match="does not match"):
+        linear(torch.randn(2, 4, dtype=torch.float64), w, pack_weight(w, min_elements=0))
+
+
+@needs_onednn
+def test_packed_copy_follows_the_weight() -> None:
+    """An in-place change (version counter) or a new weight tensor is packed again at the next call."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.nn.Parameter(torch.randn(16, 8, generator=g), requires_grad=False)
+    packed = pack_weight(w, min_elements=0)
+    x = torch.randn(3, 8, generator=g)
+    with torch.no_grad():
+        w.mul_(-2.0)
+    torch.testing.assert_close(linear(x, w, packed), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    with torch.inference_mode():  # the engine's mode: still seen
+        w.zero_()
+        assert torch.equal(linear(x, w, packed), torch.zeros(3, 16))
+    other = torch.randn(16, 8, generator=g)
+    torch.testing.assert_close(linear(x, other, packed), F.linear(x, other), rtol=1e-5, atol=1e-5)
+
+
+def test_weights_that_stay_on_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert pack_weight(torch.randn(8, 4, dtype=torch.float64)) is None  # dtype oneDNN does not pack here
+    assert pack_weight(torch.randn(8, 4, device="meta")) is None  # not on CPU
+    assert pack_weight(torch.randn(0, 4)) is None
+    assert pack_weight(torch.randn(2, 8, 4)) is None  # not a matrix
+    assert pack_weight(torch.randn(100, 100)) is None  # small: oneDNN's per-call cost outweighs its speed
+    if onednn_enabled():
+        assert pack_weight(torch.randn(256, 256)) is not None
+    monkeypatch.setenv("PAGEDLLM_CPU_ONEDNN", "0")
+    assert not onednn_enabled()
+    w = torch.randn(8, 4)
+    assert pack_weight(w) is None
+    x = torch.randn(3, 4)
+    assert torch.equal(linear(x, w, None), F.linear(x, w))
+
+
+def _load(path: str) -> torch.nn.Module:
+    model_config = ModelConfig(model=path, dtype="float32")
+    return get_model(model_config, torch.device("cpu"), TorchAttentionBackend())
+
+
+@needs_onednn
+def test_loaded_model_packs_every_linear_and_the_lm_head(tiny_llama: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_gemm, "PACK_MIN_ELEMENTS", 0)  # the tiny model's layers are below the size cut
+    model = _load(tiny_llama)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    heads = [m for m in model.modules() if isinstance(m, LMHead)]
+    assert linears and len(heads) == 1
+    for m in linears:
+        assert isinstance(m.quant_method, UnquantizedLinearMethod)
+        assert m.packed_weight is not None and m.packed_weight.get(m.weight).is_mkldnn
+        assert m.weight.dtype == torch.float32 and not m.weight.is_mkldnn  # the plain weight stays
+    assert heads[0].packed_weight is not None
+
+    # The same checkpoint with packing off gives the same logits within float32 rounding.
+    monkeypatch.setenv("PAGEDLLM_CPU_ONEDNN", "0")
+    plain = _load(tiny_llama)
+    assert all(m.packed_weight is None for m in plain.modules() if isinstance(m, Linear))
+    with torch.inference_mode():
+        for a, b in zip(linears, [m for m in plain.modules() if isinstance(m, Linear)]):
+            x = torch.randn(5, a.input_size)
+            torch.testing.assert_close(a(x), b(x), rtol=1e-5, atol=1e-5)
+        head_plain = next(m for m in plain.modules() if isinstance(m, LMHead))
+        h = torch.randn(5, head_plain.weight.shape[1])
+        torch.testing.assert_close(heads[0](h), head_plain(h), rtol=1e-5, atol=1e-5)
