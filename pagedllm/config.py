@@ -216,32 +216,82 @@ class CacheConfig:
         return model_dtype if self.cache_dtype == "auto" else torch.float8_e4m3fn
 
 
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+
+
+USAGE_CONTEXTS = ("llm", "api_server")  # the offline ``LLM`` class, ``pagedllm serve``
+
+
+def default_batch_limits(device: torch.device, usage_context: str = "llm") -> tuple[int, int]:
+    """``(max_num_batched_tokens, max_num_seqs)`` when the user sets neither: vLLM's table. GPUs of at least
+    70 GiB other than the A100 (H100, H200, ...): 16384 tokens offline, 8192 served, 1024 sequences; smaller
+    GPUs: 8192 offline, 2048 served, 256 sequences. CPU: 8192 and 256 (one step prefills a whole CPU batch)."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        if props.total_memory >= 70 * 2**30 and "a100" not in props.name.lower():
+            return (16384 if usage_context == "llm" else 8192), 1024
+        return (8192 if usage_context == "llm" else 2048), 256
+    return 8192, 256
+
+
 @dataclass
 class SchedulerConfig:
+    """``max_num_seqs`` / ``max_num_batched_tokens`` left None take the device's defaults
+    (``default_batch_limits``) when the engine core starts (``resolve_defaults``), where the device is known."""
+
     max_model_len: int
-    max_num_seqs: int = 256
+    max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # "fcfs" | "priority"
     async_scheduling: bool = False  # plan step N+1 while step N runs (see core/scheduler.py)
     num_lookahead_tokens: int = 0  # KV slots reserved past a decoding request's tokens (draft-model drafts)
+    usage_context: str = "llm"  # one of USAGE_CONTEXTS: which column of default_batch_limits applies
+    # A waiting request is admitted only if the blocks left free still cover the next this-many tokens of every
+    # running request (fewer when its max_tokens is nearer): admitting into the room they are about to grow
+    # into would only get requests preempted and recomputed. 0: admit while blocks last (vLLM's rule).
+    admission_headroom_tokens: int = field(default_factory=lambda: _env_int("PAGEDLLM_ADMISSION_HEADROOM", 128))
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs!r}")
-        if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = (
-                8192 if self.enable_chunked_prefill else max(self.max_model_len, 8192)
-            )
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens!r}")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
-                f"({self.max_model_len}) when chunked prefill is off; raise it or lower max_model_len"
-            )
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.admission_headroom_tokens < 0:
+            raise ValueError(f"admission_headroom_tokens must be >= 0, got {self.admission_headroom_tokens!r}")
+        if self.usage_context not in USAGE_CONTEXTS:
+            raise ValueError(f"usage_context must be one of {USAGE_CONTEXTS}, got {self.usage_context!r}")
+        self._check_unchunked()
+
+    def resolve_defaults(self, device: torch.device) -> None:
+        """Fill whichever of ``max_num_batched_tokens`` / ``max_num_seqs`` is None from
+        ``default_batch_limits(device, usage_context)``; without chunked prefill the token budget is at least
+        ``max_model_len``."""
+        if self.max_num_batched_tokens is not None and self.max_num_seqs is not None:
+            return
+        tokens, seqs = default_batch_limits(device, self.usage_context)
+        if self.max_num_seqs is None:
+            self.max_num_seqs = seqs
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = tokens if self.enable_chunked_prefill else max(self.max_model_len, tokens)
+        self._check_unchunked()
+
+    def _check_unchunked(self) -> None:
+        tokens = self.max_num_batched_tokens
+        if not self.enable_chunked_prefill and tokens is not None and tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({tokens}) must be >= max_model_len "
+                f"({self.max_model_len}) when chunked prefill is off; raise it or lower max_model_len"
+            )
 
 
 SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
@@ -495,7 +545,7 @@ def make_engine_config(
     max_model_len: int | None = None,
     block_size: int = 16,
     gpu_memory_utilization: float = 0.9,
-    max_num_seqs: int = 256,
+    max_num_seqs: int | None = None,
     max_num_batched_tokens: int | None = None,
     enable_prefix_caching: bool = True,
     enable_chunked_prefill: bool = True,
@@ -525,8 +575,10 @@ def make_engine_config(
     max_cpu_loras: int | None = None,
     kv_cache_dtype: str = "auto",
     disable_hybrid_kv_cache_manager: bool = False,
+    usage_context: str = "llm",
 ) -> EngineConfig:
-    """Build every config from vLLM-named keyword arguments (what ``LLM(...)`` and ``pagedllm serve`` take)."""
+    """Build every config from vLLM-named keyword arguments (what ``LLM(...)`` and ``pagedllm serve`` take).
+    ``usage_context``: "llm" (offline) or "api_server", which picks the batch defaults (``default_batch_limits``)."""
     if reasoning_parser is not None:
         from pagedllm.entrypoints.openai.reasoning_parsers import get_reasoning_parser
 
@@ -566,6 +618,7 @@ def make_engine_config(
         max_num_batched_tokens=max_num_batched_tokens,
         enable_chunked_prefill=enable_chunked_prefill,
         policy=scheduling_policy,
+        usage_context=usage_context,
         # None: on where it measures faster (CUDA, where the GPU would otherwise wait for Python); off on CPU,
         # where the host computes the step itself and there is nothing to overlap.
         async_scheduling=device_config.device.type == "cuda"

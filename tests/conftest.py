@@ -34,3 +34,10 @@ def tiny_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_model_dirs: dict[str, str]) -> str:
     return tiny_model_dirs["llama"]
+
+
+@pytest.fixture
+def admit_while_blocks_last(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's admission rule, no decode headroom (``SchedulerConfig.admission_headroom_tokens`` = 0), for engines
+    built after it: tests that mean to preempt under a small KV cache."""
+    monkeypatch.setenv("PAGEDLLM_ADMISSION_HEADROOM", "0")

@@ -204,9 +204,18 @@ def run_pagedllm_outputs(args: argparse.Namespace, temperature: float) -> tuple[
     elapsed = time.perf_counter() - start
     from pagedllm.metrics import spec_decode_summary
 
-    spec = spec_decode_summary(llm.llm_engine.get_stats(), stats_before)
+    stats_after = llm.llm_engine.get_stats()
+    spec = spec_decode_summary(stats_after, stats_before)
     if spec is not None:
         print(spec)
+    preempted = stats_after.num_preemptions - stats_before.num_preemptions
+    config = getattr(llm.llm_engine.engine_core, "config", None)  # None under data parallelism
+    if config is not None:
+        sched = config.scheduler_config
+        print(
+            f"Batch limits: max_num_seqs {sched.max_num_seqs}, max_num_batched_tokens "
+            f"{sched.max_num_batched_tokens}; {preempted} preemptions in the timed run"
+        )
     n_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
     n_in = sum(len(o.prompt_token_ids) for o in outs)
     _warn_short_outputs(reqs, outs)

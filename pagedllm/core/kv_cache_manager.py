@@ -294,10 +294,12 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: tuple[list[KVCacheBlock], ...] | None = None,
         num_lookahead_tokens: int = 0,
+        reserve_blocks: int = 0,
     ) -> bool:
         """Give ``request`` room for ``num_new_tokens`` more tokens after its computed (and newly hit, one list per
         group from ``get_computed_blocks``) ones, plus ``num_lookahead_tokens`` slots past them (a draft model
-        writes its drafts' KV there), in every group.
+        writes its drafts' KV there), in every group. ``reserve_blocks``: free blocks that must remain afterwards
+        (the scheduler's admission headroom).
 
         Returns False, changing nothing, when the pool is short. New blocks enter the prefix cache only later,
         through ``cache_blocks`` once their KV has been computed: a request preempted before its forward must
@@ -321,7 +323,7 @@ class KVCacheManager:
         num_total = request.num_computed_tokens + len(hits[0]) * self.block_size + num_new_tokens
         num_blocks = cdiv(num_total, self.block_size)
         num_new = sum(g.num_new_blocks(rid, num_blocks, hit) for g, hit in zip(self.groups, hits))
-        if num_new > self.pool.num_free_blocks:
+        if num_new + reserve_blocks > self.pool.num_free_blocks:
             return False
         for hit in hits:  # every group's hits leave the free queue before any group takes new blocks
             self.pool.touch(b for b in hit if b is not NULL_BLOCK)

@@ -3,8 +3,11 @@
 Each step spends at most ``max_num_batched_tokens`` tokens. Running requests come first (in admission order),
 each asking for ``num_tokens - num_computed_tokens`` tokens (1 for a decode, a chunk for a long prompt); then
 waiting requests are admitted (FCFS, or by ``priority`` then arrival) while budget, sequence slots and KV blocks
-last. When a running request cannot get blocks, the lowest-priority / latest-admitted running request is
-preempted: its blocks are freed and it goes back to the front of the waiting queue to be recomputed.
+last. Admission keeps free the blocks that the running requests' next ``admission_headroom_tokens`` tokens will
+need (``_growth_blocks``): with vLLM's rule (admit while blocks last) a full cache admits prompts into the room the
+decodes are about to grow into, and then preempts them. When a running request cannot get blocks, the
+lowest-priority / latest-admitted running request is preempted: its blocks are freed and it goes back to the front
+of the waiting queue to be recomputed.
 
 Async scheduling (``config.async_scheduling``): the engine schedules step N+1 before it has read step N's sampled
 tokens. Each request that will sample in a scheduled step gets an output placeholder (``num_output_placeholders``)
@@ -97,6 +100,8 @@ class WaitingQueue:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_loras: int = 0) -> None:
         """``max_loras``: most distinct LoRA adapters among running requests (0: LoRA is off)."""
+        if config.max_num_seqs is None or config.max_num_batched_tokens is None:
+            raise ValueError("the scheduler needs resolved batch limits: call SchedulerConfig.resolve_defaults")
         self.config = config
         self.max_loras = max_loras
         self.kv = kv_cache_manager
@@ -155,6 +160,17 @@ class Scheduler:
         return len(self.running) + len(self.waiting)
 
     # ------------------------------------------------------------------ one step
+
+    def _growth_blocks(self, request: Request) -> int:
+        """Blocks ``request`` still needs for the rest of its prompt and its next ``admission_headroom_tokens``
+        outputs (no more than its ``max_tokens`` leave, nor past ``max_model_len``), beyond the ones it holds."""
+        headroom = self.config.admission_headroom_tokens
+        if headroom == 0:
+            return 0
+        left = request.max_tokens - request.num_output_tokens - request.num_output_placeholders
+        wanted = min(request.num_tokens_with_placeholders + max(0, min(headroom, left)), self.config.max_model_len)
+        missing = wanted - self.kv.num_blocks_of(request.request_id) * self.block_size
+        return -(-missing // self.block_size) if missing > 0 else 0
 
     def _preempt_one(self) -> Request:
         """Preempt the lowest-priority (then latest) running request and requeue it at the front."""
@@ -238,6 +254,7 @@ class Scheduler:
         active_loras: set[int] = set()
         if self.max_loras and self.waiting:
             active_loras = {r.lora_int_id for r in self.running if r.lora_request is not None}
+        reserve = -1  # blocks admission must leave free: computed at the first admission attempt
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             if request.num_output_placeholders:
@@ -265,7 +282,9 @@ class Scheduler:
                 break
             num_new = min(num_new, budget)
             lookahead = self._lookahead(request.num_computed_tokens + num_hit + num_new, request.num_tokens)
-            if not self.kv.allocate_slots(request, num_new, hit_blocks, lookahead):
+            if reserve < 0:
+                reserve = sum(self._growth_blocks(r) for r in self.running)
+            if not self.kv.allocate_slots(request, num_new, hit_blocks, lookahead, reserve):
                 break
             self.waiting.pop()
             if request.num_cached_tokens < 0:
@@ -280,6 +299,7 @@ class Scheduler:
             new_reqs.append(request)
             scheduled[request.request_id] = num_new
             budget -= num_new
+            reserve += self._growth_blocks(request)  # its own next tokens, for the next admission
 
         for request in reversed(set_aside):
             self.waiting.add(request, front=True)

@@ -41,6 +41,8 @@ class EngineCore:
         self._tokenizer = tokenizer
         self.structured: StructuredOutputManager | None = None  # created at the first constrained request
         t0 = time.perf_counter()
+        # Batch limits the user left unset: the device's defaults (before any rank reads them).
+        config.scheduler_config.resolve_defaults(config.device_config.device)
         if config.parallel_config.world_size > 1:
             from pagedllm.distributed.executor import MultiprocRunner
 

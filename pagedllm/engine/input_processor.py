@@ -195,11 +195,12 @@ class InputProcessor:
     def _check_token_ids(self, token_ids: Any) -> list[int]:
         if not isinstance(token_ids, (list, tuple)):
             raise ValueError(f"prompt_token_ids must be a list of ints, got {type(token_ids).__name__}")
-        bad = [t for t in token_ids if not _is_int(t)]
-        if bad:
+        # C-speed checks first (a 1,000-prompt benchmark hands over a million ids); the error paths name the ids.
+        if not set(map(type, token_ids)) <= {int}:  # bool is not int here, as in _is_int
+            bad = [t for t in token_ids if not _is_int(t)]
             raise ValueError(f"prompt_token_ids must be ints, got {bad[:5]}")
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
+        if token_ids and (min(token_ids) < 0 or max(token_ids) >= self.vocab_size):
+            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
             raise ValueError(
                 f"prompt_token_ids contains ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}"
             )

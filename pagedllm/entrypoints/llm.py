@@ -31,7 +31,7 @@ class LLM:
         max_model_len: int | None = None,
         block_size: int = 16,
         gpu_memory_utilization: float = 0.9,
-        max_num_seqs: int = 256,
+        max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,

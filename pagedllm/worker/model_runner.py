@@ -74,6 +74,7 @@ class ModelRunner:
         self.kv_cache_dtype = config.cache_config.kv_cache_torch_dtype(mc.dtype)  # float8_e4m3fn for "fp8"
         self.block_size = config.cache_config.block_size
         self.max_model_len = mc.max_model_len
+        config.scheduler_config.resolve_defaults(self.device)  # the batch limits the user left to the device
         self.max_num_reqs = config.scheduler_config.max_num_seqs
         self.max_num_tokens = config.scheduler_config.max_num_batched_tokens
         self.vocab_size = mc.vocab_size

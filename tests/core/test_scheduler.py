@@ -11,10 +11,14 @@ from pagedllm.sampling_params import SamplingParams
 
 
 def make_scheduler(
-    num_blocks=64, block_size=4, budget=32, max_seqs=8, max_len=256, policy="fcfs", caching=True
+    num_blocks=64, block_size=4, budget=32, max_seqs=8, max_len=256, policy="fcfs", caching=True, headroom=128
 ):
     cfg = SchedulerConfig(
-        max_model_len=max_len, max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy
+        max_model_len=max_len,
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=budget,
+        policy=policy,
+        admission_headroom_tokens=headroom,
     )
     return Scheduler(cfg, KVCacheManager(num_blocks, block_size, caching))
 
@@ -96,7 +100,7 @@ def test_min_tokens_and_ignore_eos_suppress_eos_stop():
 
 
 def test_preemption_frees_blocks_and_resumes():
-    s = make_scheduler(num_blocks=6, block_size=4, budget=64)
+    s = make_scheduler(num_blocks=6, block_size=4, budget=64, headroom=0)  # vLLM's admission: b gets in
     s.add_request(make_request("a", 8, max_tokens=12))
     s.add_request(make_request("b", 8, max_tokens=12))
     preempted_seen = False
@@ -113,8 +117,41 @@ def test_preemption_frees_blocks_and_resumes():
     assert s.kv.num_free_blocks == 6
 
 
+def test_admission_headroom_avoids_the_preemption():
+    """The same two requests as above: b waits until a's next tokens are covered, and nothing is recomputed."""
+    s = make_scheduler(num_blocks=6, block_size=4, budget=64)
+    s.add_request(make_request("a", 8, max_tokens=12))
+    s.add_request(make_request("b", 8, max_tokens=12))
+    out, _ = step(s)
+    assert list(out.num_scheduled_tokens) == ["a"]  # a holds 2 blocks and will need 3 more; 4 are free
+    order = []
+    for _ in range(60):
+        if not s.has_unfinished_requests():
+            break
+        out, _ = step(s)
+        s.check_integrity()
+        order += [r for r in out.num_scheduled_tokens if r not in order]
+    assert order == ["a", "b"] and s.num_preemptions == 0
+    assert s.kv.num_free_blocks == 6
+
+
+def test_admission_headroom_counts_only_what_a_request_may_still_emit():
+    # a may emit 1 more token (max_tokens=1): it needs no block beyond its prompt's, so b is admitted at once.
+    s = make_scheduler(num_blocks=6, block_size=4, budget=64)
+    s.add_request(make_request("a", 8, max_tokens=1))
+    s.add_request(make_request("b", 8, max_tokens=1))
+    out, _ = step(s)
+    assert list(out.num_scheduled_tokens) == ["a", "b"]
+    # A headroom smaller than what is left counts only the headroom: 4 tokens = 1 block for a, 3 stay free.
+    s = make_scheduler(num_blocks=6, block_size=4, budget=64, headroom=4)
+    s.add_request(make_request("a", 8, max_tokens=12))
+    s.add_request(make_request("b", 8, max_tokens=12))
+    out, _ = step(s)
+    assert list(out.num_scheduled_tokens) == ["a", "b"]
+
+
 def test_priority_policy_orders_admission_and_preempts_lowest():
-    s = make_scheduler(num_blocks=5, block_size=4, budget=64, max_seqs=8, policy="priority")
+    s = make_scheduler(num_blocks=5, block_size=4, budget=64, max_seqs=8, policy="priority", headroom=0)
     s.add_request(make_request("low", 8, priority=5, arrival=0.0, max_tokens=10))
     s.add_request(make_request("high", 8, priority=0, arrival=1.0, max_tokens=10))
     out, _ = step(s)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import random
 
+import pytest
+
 from pagedllm.config import make_engine_config
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
@@ -20,6 +22,7 @@ MAX_MODEL_LEN = 64
 NUM_BLOCKS = 24
 
 
+@pytest.mark.usefixtures("admit_while_blocks_last")
 async def test_preemption_under_kv_pressure_keeps_greedy_outputs(tiny_llama):
     config = make_engine_config(
         tiny_llama,

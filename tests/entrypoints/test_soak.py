@@ -319,7 +319,7 @@ async def soak(srv: RemoteServer, model: str, tally: Tally) -> None:
 
 
 @pytest.fixture
-def soak_server(tiny_llama, tmp_path):
+def soak_server(admit_while_blocks_last, tiny_llama, tmp_path):
     srv = RemoteServer(tiny_llama, tmp_path / "server.log", extra_args=SERVER_ARGS)
     yield srv
     srv.stop()

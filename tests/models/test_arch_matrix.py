@@ -29,6 +29,7 @@ def _prompts(vocab: int) -> list[list[int]]:
     ]
 
 
+@pytest.mark.usefixtures("admit_while_blocks_last")
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_long_prompts_chunked_prefix_hits_preemption(tiny_model_dirs, arch):
     path = tiny_model_dirs[arch]

@@ -168,6 +168,7 @@ def test_unconstrained_requests_are_not_disturbed(demo_llm: LLM) -> None:
     check("json_object", True, mixed[2].outputs[0].text)
 
 
+@pytest.mark.usefixtures("admit_while_blocks_last")
 def test_sync_and_async_give_the_same_tokens_under_chunking_caching_and_preemption() -> None:
     """Small token budget (chunked prefill), a shared prefix (prefix caching) and a KV cache too small for the
     batch (preemption by recompute): the constrained tokens equal an unpressured run's, in both loops."""

@@ -485,7 +485,7 @@ def main(args: argparse.Namespace) -> int:
         kwargs["served_model_name"] = served_model_names[0]
         from pagedllm.config import make_engine_config
 
-        config = make_engine_config(model, **kwargs)
+        config = make_engine_config(model, **kwargs, usage_context="api_server")
         config.model_config.max_logprobs = args.max_logprobs  # read by the InputProcessor
     except ValueError as e:
         print(f"pagedllm serve: error: {e}", flush=True)
