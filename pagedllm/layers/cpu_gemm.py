@@ -9,7 +9,8 @@ The packed copy is an opaque ``torch._mkldnn`` tensor. The layer keeps its plain
 ``kv_b_proj.weight``; LoRA and tests read weights), at the cost of a second copy of the packed layers' weights
 in CPU memory. The copy follows the weight: a weight changed in place (its version counter moves) or replaced by
 another tensor is packed again at its next use. A write through ``weight.data`` bypasses the version counter
-(PyTorch's rule): call the layer's ``process_weights_after_loading`` after one.
+(PyTorch's rule), and an inference tensor (one made under ``inference_mode``) has no version counter: after such
+a write, call the layer's ``process_weights_after_loading``.
 
 oneDNN costs about 10 us more per call than MKL, which only pays for weights of at least ``PACK_MIN_ELEMENTS``
 elements (measured crossover: about 192 x 192 at 48 rows). ``PAGEDLLM_CPU_ONEDNN=0`` turns packing off. The
@@ -47,7 +48,8 @@ class PackedWeight:
 
     def get(self, weight: torch.Tensor) -> torch.Tensor:
         """The packed copy of ``weight`` (the layer's current weight tensor), packed again if it changed."""
-        key = (weight._version, weight.data_ptr())
+        # An inference tensor (made under inference_mode) has no version counter: its storage is the key then.
+        key = (-1 if weight.is_inference() else weight._version, weight.data_ptr())
         if weight is not self._weight or key != self._key:
             with torch.no_grad():
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())

@@ -78,6 +78,11 @@ def test_packed_copy_follows_the_weight() -> None:
         assert torch.equal(linear(x, w, packed), torch.zeros(3, 16))
     other = torch.randn(16, 8, generator=g)
     torch.testing.assert_close(linear(x, other, packed), F.linear(x, other), rtol=1e-5, atol=1e-5)
+    with torch.inference_mode():  # an inference tensor has no version counter: packed, and followed by identity
+        frozen = torch.randn(16, 8, generator=g)
+    assert frozen.is_inference()
+    packed = pack_weight(frozen, min_elements=0)
+    torch.testing.assert_close(linear(x, frozen, packed), F.linear(x, frozen), rtol=1e-5, atol=1e-5)
 
 
 def test_weights_that_stay_on_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
