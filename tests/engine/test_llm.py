@@ -288,3 +288,32 @@ def test_seeded_sampling_unchanged_by_preemption(tiny_llama):
     assert got == want
     assert_no_leaks(tight)
     assert not tight.llm_engine.engine_core.runner.input_batch.preempted_generators
+
+
+@pytest.mark.usefixtures("admit_while_blocks_last")
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_onednn_packed_layers_under_chunks_prefix_hits_and_preemption(tiny_llama, monkeypatch, async_scheduling):
+    """Every linear layer packed for oneDNN (the tiny model is under the size cut, so the cut is lowered): greedy
+    tokens still equal transformers' with chunked prefill, prefix hits and preemption, in both loops."""
+    from pagedllm.layers import cpu_gemm
+    from pagedllm.layers.linear import Linear
+
+    if not cpu_gemm.onednn_enabled():
+        pytest.skip("this torch build has no oneDNN linear")
+    monkeypatch.setattr(cpu_gemm, "PACK_MIN_ELEMENTS", 0)
+    llm = make_llm(
+        tiny_llama,
+        async_scheduling=async_scheduling,
+        num_gpu_blocks_override=12,
+        max_model_len=48,
+        max_num_batched_tokens=8,
+    )
+    model = llm.llm_engine.engine_core.runner.model
+    assert all(m.packed_weight is not None for m in model.modules() if isinstance(m, Linear))
+    prompts = make_prompts(llm.llm_engine.engine_core.vocab_size)
+    want = reference(tiny_llama, tuple(map(tuple, prompts)))
+    assert greedy(llm, prompts) == want
+    assert greedy(llm, prompts) == want  # again, from cached prefixes
+    stats = llm.llm_engine.get_stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert_no_leaks(llm)
