@@ -1,4 +1,5 @@
-"""Linear layers on CPU through oneDNN with pre-packed weights.
+"""Linear layers on CPU through oneDNN with pre-packed weights (and, on the GPU, one-row products through the
+Triton GEMV of ``pagedllm.kernels.gemv``: ``one_row_gemv``).
 
 ``F.linear`` on CPU goes to MKL for float32. MKL picks its kernels by CPU vendor, and on the AMD EPYC machines
 this project runs on, the demo model's decode layers ran 2.5-3x faster through oneDNN given the weight once in
@@ -25,8 +26,11 @@ import os
 import torch
 import torch.nn.functional as F
 
+from pagedllm.platform import use_fused_kernels
+
 PACK_MIN_ELEMENTS = 1 << 16
 _PACKED_DTYPES = (torch.float32, torch.bfloat16)
+_GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def onednn_enabled() -> bool:
@@ -71,11 +75,29 @@ def pack_weight(weight: torch.Tensor, min_elements: int | None = None) -> Packed
     return packed
 
 
+def one_row_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``x @ weight.T`` takes ``pagedllm.kernels.gemv``: one bf16/fp16 row on a GPU with Triton (batch-1
+    decode), where cuBLAS streamed the weights at 2.4-2.9 TB/s against the GEMV's 2.6-3.2 (docs/benchmarks.md)."""
+    return (
+        x.numel() == x.shape[-1]
+        and x.stride(-1) == 1
+        and x.dtype in _GEMV_DTYPES
+        and weight.dtype == x.dtype
+        and weight.is_contiguous()
+        and use_fused_kernels(x)
+    )
+
+
 def linear(
     x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None, bias: torch.Tensor | None = None
 ) -> torch.Tensor:  # [..., in] -> [..., out]
-    """``F.linear(x, weight, bias)``, through ``packed`` (``pack_weight(weight)``) when there is one."""
+    """``F.linear(x, weight, bias)``, through ``packed`` (``pack_weight(weight)``) when there is one, and through
+    the Triton GEMV for a single row on the GPU (``one_row_gemv``)."""
     if packed is None:
+        if one_row_gemv(x, weight):
+            from pagedllm.kernels.gemv import gemv
+
+            return gemv(x.reshape(1, -1), weight, bias).view(*x.shape[:-1], weight.shape[0])
         return F.linear(x, weight, bias)
     if x.dtype != weight.dtype:  # oneDNN wants one dtype; F.linear raises the same mismatch
         raise RuntimeError(f"input dtype {x.dtype} does not match the weight's {weight.dtype}")

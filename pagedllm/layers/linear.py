@@ -31,7 +31,7 @@ from torch import nn
 
 from pagedllm.distributed.communicator import all_reduce
 from pagedllm.distributed.parallel_state import TPGroup, divide
-from pagedllm.layers.cpu_gemm import linear, pack_weight
+from pagedllm.layers.cpu_gemm import linear, one_row_gemv, pack_weight
 
 
 def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
@@ -374,3 +374,17 @@ class RowParallelLinear(Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, tp={self.tp.rank}/{self.tp.size}"
+
+
+def act_then_linear(layer: Linear, x: torch.Tensor, act: str) -> torch.Tensor | None:
+    """``layer(act(x))`` in one launch, where the Triton GEMV takes it: a single row on the GPU through an
+    unquantized layer (no LoRA). ``act``: "silu_and_mul" (``x`` is ``[1, 2 * layer.input_size]``). None where it
+    does not apply; the caller then runs the activation and the layer itself."""
+    if type(layer.quant_method) is not UnquantizedLinearMethod or not one_row_gemv(x, layer.weight):
+        return None
+    from pagedllm.kernels.gemv import gemv
+
+    out = gemv(x.reshape(1, -1), layer.weight, layer.bias, act=act).view(*x.shape[:-1], layer.output_size)
+    if isinstance(layer, RowParallelLinear) and layer.reduce_results:
+        out = all_reduce(out, layer.tp)
+    return out

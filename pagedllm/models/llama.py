@@ -18,10 +18,10 @@ from torch import nn
 from pagedllm.attention.base import AttentionBackend, AttentionMetadata
 from pagedllm.distributed.parallel_state import PPGroup, TPGroup
 from pagedllm.distributed.pipeline import IntermediateTensors, PPMissingLayer
-from pagedllm.layers.activation import get_act_and_mul
+from pagedllm.layers.activation import SiluAndMul, get_act_and_mul
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.embedding import LMHead, VocabEmbedding
-from pagedllm.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
+from pagedllm.layers.linear import MergedLinear, QKVLinear, RowParallelLinear, act_then_linear
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, get_rope, rope_config
 from pagedllm.platform import use_fused_kernels
@@ -181,6 +181,10 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden_size] -> [T, hidden_size]
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate_size]
+        if isinstance(self.act_fn, SiluAndMul) and gate_up.shape[0] == 1:  # batch-1 decode: one GEMV launch
+            out = act_then_linear(self.down_proj, gate_up, "silu_and_mul")
+            if out is not None:
+                return out
         return self.down_proj(self.act_fn(gate_up))
 
 

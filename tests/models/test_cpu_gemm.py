@@ -130,3 +130,72 @@ def test_loaded_model_packs_every_linear_and_the_lm_head(tiny_llama: str, monkey
         head_plain = next(m for m in plain.modules() if isinstance(m, LMHead))
         h = torch.randn(5, head_plain.weight.shape[1])
         torch.testing.assert_close(heads[0](h), head_plain(h), rtol=1e-5, atol=1e-5)
+
+
+# --- one-row products through the Triton GEMV (GPU) ----------------------------------------------------------
+
+
+def test_one_row_gemv_is_gpu_only_and_needs_a_half_precision_row() -> None:
+    from pagedllm.layers.cpu_gemm import one_row_gemv
+
+    w = torch.randn(64, 32, dtype=torch.bfloat16)
+    assert not one_row_gemv(torch.randn(1, 32, dtype=torch.bfloat16), w)  # CPU: never
+    if torch.cuda.is_available():
+        wc = w.cuda()
+        assert one_row_gemv(torch.randn(1, 32, dtype=torch.bfloat16, device="cuda"), wc)
+        assert one_row_gemv(torch.randn(1, 1, 32, dtype=torch.bfloat16, device="cuda"), wc)
+        assert not one_row_gemv(torch.randn(2, 32, dtype=torch.bfloat16, device="cuda"), wc)
+        assert not one_row_gemv(torch.randn(1, 32, device="cuda"), wc.float())  # float32 stays on cuBLAS
+        assert not one_row_gemv(torch.randn(1, 32, dtype=torch.bfloat16, device="cuda"), wc.t().contiguous().t())
+
+
+def test_act_then_linear_declines_on_cpu_and_under_lora_or_quantization() -> None:
+    from pagedllm.layers.linear import RowParallelLinear, act_then_linear
+
+    layer = RowParallelLinear(32, 16)
+    torch.nn.init.normal_(layer.weight)
+    assert act_then_linear(layer, torch.randn(1, 64), "silu_and_mul") is None  # CPU: the caller runs both
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bias", [False, True])
+def test_one_row_linear_and_mlp_take_the_gemv_on_gpu(monkeypatch: pytest.MonkeyPatch, bias: bool) -> None:
+    """A single bf16 row through Linear, the LM head and LlamaMLP launches the GEMV (counted), and equals the
+    cuBLAS path (fused kernels off) within bf16 rounding; two rows stay on cuBLAS."""
+    from types import SimpleNamespace
+
+    import pagedllm.kernels.gemv as gemv_mod
+    from pagedllm.layers.embedding import LMHead
+    from pagedllm.layers.linear import Linear
+    from pagedllm.models.llama import LlamaMLP
+
+    calls = []
+    real = gemv_mod.gemv
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("act"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gemv_mod, "gemv", counting)
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    cfg = SimpleNamespace(hidden_size=256, intermediate_size=512, hidden_act="silu", mlp_bias=bias)
+    mlp = LlamaMLP(cfg).to(dev, torch.bfloat16)
+    lin = Linear(256, 384, bias=bias).to(dev, torch.bfloat16)
+    head = LMHead(1000, 256).to(dev, torch.bfloat16)
+    for m in (mlp, lin, head):
+        for p in m.parameters():
+            torch.nn.init.normal_(p, std=0.05)
+    x = torch.randn(1, 256, device=dev, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        got = [mlp(x), lin(x), head(x)]
+        assert calls == [None, "silu_and_mul", None, None]  # gate_up, down with silu, the linear, the head
+        calls.clear()
+        mlp(torch.randn(2, 256, device=dev, dtype=torch.bfloat16))
+        assert calls == []
+        monkeypatch.setattr("pagedllm.platform._fast_ops_disabled", lambda: True)  # (the switch is read once)
+        want = [mlp(x), lin(x), head(x)]
+        assert calls == []
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        torch.testing.assert_close(g.float(), w.float(), rtol=2e-2, atol=2e-2)

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# A/B of issue 9's throughput and latency rows on one machine: this tree ("new") against another checkout ("old", e.g.
+# `git archive HEAD~1 pagedllm | tar -x -C _ab_old`), alternating new, old, new, old... in one device call.
+#   OLD=_ab_old ROUNDS=2 OUT=DIR bash benchmarks/gpu_ab.sh [qwen-tp] [qwen-nano] [llama-tp] [qwen-lat] [llama-lat]
+# Each row's log is $OUT/ab_<row>_<new|old>_<round>.log; the summary lines print as they come.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source benchmarks/lib.sh "$@"
+old_dir=$(cd "${OLD:?OLD=dir of the old checkout}" && pwd)
+out=$(cd "$out" && pwd)
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+$py -m pagedllm.benchmarks.shapes "$out/models" >/dev/null
+common="--load-format dummy --max-model-len 4096 --gpu-memory-utilization 0.9"
+lat="--batch-size 1 --input-len 128 --output-len 128 --num-iters-warmup 2 --num-iters 5"
+declare -A spec=(
+  [qwen-lat]="latency --model $out/models/qwen3-0.6b $lat"
+  [llama-lat]="latency --model $out/models/llama-3.1-8b $lat"
+  [qwen-tp]="throughput --model $out/models/qwen3-0.6b --num-prompts 1000 --input-len 1024 --output-len 128"
+  [qwen-nano]="throughput --model $out/models/qwen3-0.6b --workload nanovllm --num-prompts 256"
+  [llama-tp]="throughput --model $out/models/llama-3.1-8b --num-prompts 1000 --input-len 1024 --output-len 128"
+)
+for round in $(seq "${ROUNDS:-2}"); do
+  for row in "${ARGS[@]:-qwen-tp}"; do
+    for side in new old; do
+      dir=$PWD; [ $side = old ] && dir=$old_dir
+      echo "=== $row $side (round $round)"
+      (cd "$dir" && PYTHONPATH="$dir" $py -m pagedllm.benchmarks.${spec[$row]} $common ${EXTRA:-}) 2>&1 \
+        | tee "$out/ab_${row}_${side}_${round}.log" | grep -E "^(Throughput|Latency|Avg|Step profile|Batch limits)|Error|Traceback" | head -8
+    done
+  done
+done
