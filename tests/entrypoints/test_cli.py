@@ -135,3 +135,38 @@ def test_a_refused_engine_flag_is_a_usage_error(capsys):
     assert "error: pipeline_parallel_size must be an integer >= 1, got 0" in capsys.readouterr().err
     assert cli.main(argv + ["--block-size", "3"]) == 2
     assert "block_size must be a power of two" in capsys.readouterr().err
+
+
+def test_serve_builds_its_engine_with_the_server_batch_defaults(tiny_llama, monkeypatch):
+    """`pagedllm serve` makes its engine config with usage_context="api_server", so on a large GPU its unset
+    token budget is vLLM's served 8192, not the offline 16384 (checked with a faked H100's properties)."""
+    import signal
+    from types import SimpleNamespace
+
+    import torch
+
+    from pagedllm.entrypoints.openai import api_server
+
+    served = {}
+
+    async def fake_serve(args, config, sock, **kwargs):
+        served["config"] = config
+        return 0
+
+    class FakeSocket:
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(api_server, "_serve", fake_serve)
+    monkeypatch.setattr(api_server, "_bind", lambda host, port: FakeSocket())
+    monkeypatch.setattr(signal, "signal", lambda *a: None)  # main installs a SIGTERM handler
+    parser = argparse.ArgumentParser()
+    api_server.add_cli_args(parser)
+    assert api_server.main(parser.parse_args([tiny_llama])) == 0
+    sched = served["config"].scheduler_config
+    assert sched.usage_context == "api_server"
+    assert (sched.max_num_batched_tokens, sched.max_num_seqs) == (None, None)  # resolved where the device is known
+    props = SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=80 * 2**30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+    sched.resolve_defaults(torch.device("cuda", 0))
+    assert (sched.max_num_batched_tokens, sched.max_num_seqs) == (8192, 1024)

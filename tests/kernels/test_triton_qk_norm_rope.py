@@ -217,6 +217,10 @@ def test_qk_norm_rope_gpu(dtype, shape):
 @pytest.mark.gpu
 @needs_cuda
 def test_qk_norm_rope_empty_gpu():
+    """Zero tokens: returns without launching a zero-size grid (which CUDA refuses), and the step goes on."""
     positions, qkv, q_weight, k_weight, cos, sin = make_inputs(0, 16, 8, 128, 128, torch.bfloat16, "cuda")
     q, k, _ = split_qkv(qkv, 16, 8, 128)
-    qk_norm_rope(positions, q, k, q_weight, k_weight, EPS, cos, sin)
+    assert qk_norm_rope(positions, q, k, q_weight, k_weight, EPS, cos, sin) is None
+    torch.cuda.synchronize()  # an asynchronous launch error would surface here
+    assert q.shape == (0, 16, 128) and k.shape == (0, 8, 128)
+    check_qk_norm_rope(3, 16, 8, 128, 128, torch.bfloat16, "cuda", seed=1)  # a step after it still computes
