@@ -1,6 +1,7 @@
 """Model runner: update the persistent batch -> prepare inputs -> forward -> sample.
 
-A thin orchestrator; feature logic lives in InputBatch, the attention backend, the model and the sampler.
+A thin orchestrator; feature logic lives in InputBatch, the attention backend, the model, the sampler and
+spec_step (speculative decoding's verification steps).
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from pagedllm.layers.attention import Attention, kv_scales_summary
 from pagedllm.platform import use_fused_kernels
 from pagedllm.sample.metadata import build_plain_sampling_metadata, build_sampling_metadata
 from pagedllm.sample.sampler import LogprobsTensors, Sampler, compute_logprobs_topk
-from pagedllm.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, rejection_sample
 from pagedllm.worker.cuda_graphs import CudaGraphRunner
 from pagedllm.worker.input_batch import InputBatch
+from pagedllm.worker.spec_step import collect_spec, sample_spec
 
 logger = logging.getLogger(__name__)
 
@@ -576,7 +577,9 @@ class ModelRunner:
         if step.logits is None:
             return
         if step.spec_num_draft is not None:
-            self._sample_spec(step, grammar_bitmask)
+            sample_spec(
+                step, grammar_bitmask, self.input_batch, self.sampler, self._sampling_metadata, self.device
+            )
             return
         dev = self.device
         s_rows = step.sample_rows
@@ -632,108 +635,10 @@ class ModelRunner:
         feeds them on the device, ``collect`` writes them into the batch."""
         self._hold_sampled(step, sampled)
 
-    def _sample_spec(self, step: StepInFlight, grammar_bitmask: torch.Tensor | None) -> None:
-        """Verify the drafts of ``step`` (rejection_sample) and sample the requests without drafts.
-        ``grammar_bitmask``: one row per request, or one per logit row (a mask per draft position, from
-        ``StructuredOutputManager.grammar_bitmask_spec``). The result is ``step.sampled``: [num_sampled, k + 1] tokens (accepted drafts, one more, -1 padding). The batch learns
-        the tokens in ``collect`` (speculative decoding runs without async scheduling)."""
-        batch = self.input_batch
-        dev = self.device
-        s_rows = step.sample_rows
-        num_draft = step.spec_num_draft  # [num_sampled]
-        counts = num_draft + 1  # [num_sampled] logit rows per request
-        starts = np.cumsum(counts) - counts  # [num_sampled] its first logit row
-        num_sampled, k = step.spec_draft_ids.shape
-        # Every logit row samples with its request's settings (drafted requests have no history-dependent ones).
-        meta = self._sampling_metadata(np.repeat(s_rows, counts))
-        if grammar_bitmask is not None:
-            if grammar_bitmask.shape[0] != int(
-                counts.sum()
-            ):  # one row per request: the same for its positions
-                grammar_bitmask = grammar_bitmask[torch.from_numpy(np.repeat(np.arange(num_sampled), counts))]
-            meta.grammar_bitmask = grammar_bitmask.to(dev, non_blocking=True)
-        processed = self.sampler.processed_logits(step.logits, meta)  # [num_logits, vocab_size] float32
-        greedy = batch.greedy_np[s_rows]  # [num_sampled]
-        temperature = torch.from_numpy(np.where(greedy, 0.0, 1.0).astype(np.float32))  # already applied
-        gens = {int(j): batch.generators[s_rows[j]] for j in np.nonzero(batch.has_generator_np[s_rows])[0]}
-
-        output = torch.full((num_sampled, k + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.long, device=dev)
-        num_accepted = torch.zeros(num_sampled, dtype=torch.long, device=dev)
-        for group in (np.nonzero(num_draft > 0)[0], np.nonzero(num_draft == 0)[0]):
-            if len(group) == 0:
-                continue
-            width = k if num_draft[group[0]] > 0 else 0
-            # [len(group), width + 1] logit rows; short rows repeat their last (ignored past num_draft + 1).
-            idx = starts[group, None] + np.minimum(np.arange(width + 1)[None, :], num_draft[group, None])
-            out, acc = rejection_sample(
-                torch.from_numpy(step.spec_draft_ids[group, :width]).to(dev, non_blocking=True),
-                torch.from_numpy(num_draft[group]),  # on the host: seeded rows read it there
-                None,  # every proposer here drafts deterministically: q is one-hot
-                processed[torch.from_numpy(idx).to(dev, non_blocking=True)],
-                temperature[group].to(dev, non_blocking=True),
-                {g: gens[int(j)] for g, j in enumerate(group) if int(j) in gens},
-            )
-            group_dev = torch.from_numpy(group).to(dev, non_blocking=True)
-            output[group_dev, : width + 1] = out
-            num_accepted[group_dev] = acc
-        step.logprobs = None
-        if (batch.num_logprobs_np[s_rows] >= 0).any():
-            # Raw logprobs of every logit row's emitted token (rows past a request's emitted ones are dropped).
-            pos = np.arange(int(counts.sum())) - np.repeat(starts, counts)  # [num_logits]
-            flat = output[
-                torch.from_numpy(np.repeat(np.arange(num_sampled), counts)).to(dev),
-                torch.from_numpy(pos).to(dev),
-            ]
-            step.logprobs = compute_logprobs_topk(
-                step.logits, flat.clamp(min=0), int(batch.num_logprobs_np[s_rows].max())
-            )
-        step.logits = None
-        step.sample_gen = batch.row_gen[s_rows].copy()
-        step.sample_num_logprobs = batch.num_logprobs_np[s_rows].copy()
-        step.sampled = output
-        step.spec_num_accepted = num_accepted
-        if dev.type == "cuda":
-            step.sampled_host = torch.empty(output.shape, dtype=torch.long, pin_memory=True)
-            step.sampled_host.copy_(output, non_blocking=True)
-            step.spec_num_accepted = torch.empty(num_sampled, dtype=torch.long, pin_memory=True)
-            step.spec_num_accepted.copy_(num_accepted, non_blocking=True)
-            if step.logprobs is not None:
-                step.logprobs = step.logprobs.to_host_async()
-            step.event = torch.cuda.Event()
-            step.event.record()
-        else:
-            step.sampled_host = output
-
-    def _collect_spec(self, step: StepInFlight, out: ModelRunnerOutput) -> None:
-        """``collect`` for a verification step: each request gets its accepted drafts plus one token."""
-        batch = self.input_batch
-        tokens = step.sampled_host.numpy()  # [num_sampled, k + 1]
-        num_emitted = step.spec_num_accepted.numpy() + 1  # [num_sampled]
-        lp = step.logprobs.tolists() if step.logprobs is not None else None
-        start = 0  # first logit row of request j
-        for j, req_id in enumerate(step.sample_req_ids):
-            n = int(num_emitted[j])
-            emitted = tokens[j, :n]
-            out.sampled_token_ids[req_id] = emitted.tolist()
-            row = step.sample_rows[j]
-            if batch.row_gen[row] == step.sample_gen[j]:
-                end = int(batch.num_tokens_np[row])
-                batch.token_ids_np[row, end : end + n] = emitted
-                batch.num_tokens_np[row] = end + n
-            num_lp = int(step.sample_num_logprobs[j])
-            if lp is not None and num_lp >= 0:
-                rows = slice(start, start + n)
-                out.logprobs[req_id] = LogprobsLists(
-                    [r[: num_lp + 1] for r in lp.token_ids[rows]],
-                    [r[: num_lp + 1] for r in lp.logprobs[rows]],
-                    lp.ranks[rows],
-                )
-            start += int(step.spec_num_draft[j]) + 1
-
     def apply_sampled(self, sampled: dict[str, list[int]]) -> None:
         """A tensor-parallel worker's stand-in for ``sample`` + ``collect``: append the tokens rank 0 sampled.
         After a speculative step those are each request's emitted tokens (accepted drafts plus one), as
-        ``_collect_spec`` appends them on rank 0; rejected drafts stay past the row's known tokens, unused."""
+        ``collect_spec`` appends them on rank 0; rejected drafts stay past the row's known tokens, unused."""
         batch = self.input_batch
         for req_id, tokens in sampled.items():
             row = batch.req_id_to_row.get(req_id)
@@ -784,7 +689,7 @@ class ModelRunner:
         if step.event is not None:
             step.event.synchronize()
         if step.spec_num_draft is not None:
-            self._collect_spec(step, out)
+            collect_spec(step, out, self.input_batch)
             step.sampled = None
             return out
         token_np = step.sampled_host.numpy()  # [num_sampled]
