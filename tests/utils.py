@@ -94,6 +94,14 @@ TINY_ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma", "phi3", "
 TINY_WINDOWS = {"mistral": 16, "phi3": 32, "gemma2": 16, "gemma3": 16}
 
 
+def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative L2 error of a kernel's output against its reference (in float64); fails on a non-finite output
+    (a row left unwritten, or a NaN)."""
+    out, ref = out.double(), ref.double()
+    assert torch.isfinite(out).all(), "non-finite output (unwritten or NaN)"
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
 @functools.lru_cache(maxsize=1)
 def _tiny_tokenizer_json() -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers

@@ -577,9 +577,10 @@ class ModelRunner:
         if step.logits is None:
             return
         if step.spec_num_draft is not None:
-            sample_spec(
+            tokens, num_accepted, logprobs = sample_spec(
                 step, grammar_bitmask, self.input_batch, self.sampler, self._sampling_metadata, self.device
             )
+            self._hold_sampled(step, tokens, logprobs, num_accepted)
             return
         dev = self.device
         s_rows = step.sample_rows
@@ -604,15 +605,24 @@ class ModelRunner:
         batch.pending_step[s_rows] = step.step_id
 
     def _hold_sampled(
-        self, step: StepInFlight, sampled: torch.Tensor, logprobs: LogprobsTensors | None = None
+        self,
+        step: StepInFlight,
+        sampled: torch.Tensor,
+        logprobs: LogprobsTensors | None = None,
+        num_accepted: torch.Tensor | None = None,
     ) -> None:
-        """Keep ``sampled`` ([num_sampled] int64 on the device) for the next launch and start its copy to the
-        host, which ``collect`` waits for."""
+        """Keep ``sampled`` ([num_sampled] int64 on the device; [num_sampled, k + 1] after a verification step,
+        with ``num_accepted`` [num_sampled]) for the next launch and start their copies to the host, which
+        ``collect`` waits for."""
         step.sampled = sampled
         step.logprobs = logprobs
+        step.spec_num_accepted = num_accepted
         if self.device.type == "cuda":
-            step.sampled_host = torch.empty(sampled.shape[0], dtype=torch.long, pin_memory=True)
+            step.sampled_host = torch.empty(sampled.shape, dtype=torch.long, pin_memory=True)
             step.sampled_host.copy_(sampled, non_blocking=True)
+            if num_accepted is not None:
+                step.spec_num_accepted = torch.empty(num_accepted.shape, dtype=torch.long, pin_memory=True)
+                step.spec_num_accepted.copy_(num_accepted, non_blocking=True)
             if step.logprobs is not None:
                 step.logprobs = step.logprobs.to_host_async()
             step.event = torch.cuda.Event()

@@ -14,7 +14,7 @@ import torch
 
 from pagedllm.core.sched_output import LogprobsLists, ModelRunnerOutput
 from pagedllm.sample.metadata import SamplingMetadata
-from pagedllm.sample.sampler import Sampler, compute_logprobs_topk
+from pagedllm.sample.sampler import LogprobsTensors, Sampler, compute_logprobs_topk
 from pagedllm.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, rejection_sample
 from pagedllm.worker.input_batch import InputBatch
 
@@ -29,12 +29,13 @@ def sample_spec(
     sampler: Sampler,
     sampling_metadata: Callable[[np.ndarray], SamplingMetadata],
     dev: torch.device,
-) -> None:
+) -> tuple[torch.Tensor, torch.Tensor, LogprobsTensors | None]:
     """Verify the drafts of ``step`` (rejection_sample) and sample the requests without drafts.
     ``grammar_bitmask``: one row per request, or one per logit row (a mask per draft position, from
     ``StructuredOutputManager.grammar_bitmask_spec``). ``sampling_metadata(rows)`` builds the metadata of those
-    batch rows. The result is ``step.sampled``: [num_sampled, k + 1] tokens (accepted drafts, one more, -1
-    padding); the batch learns them in ``collect_spec``."""
+    batch rows. Returns, on the device, the tokens ``[num_sampled, k + 1]`` (accepted drafts, one more, -1
+    padding), the accepted drafts per request ``[num_sampled]`` and the logprobs wanted (or None); the runner
+    holds them in ``step`` (``ModelRunner._hold_sampled``), and ``collect_spec`` writes them into the batch."""
     s_rows = step.sample_rows
     num_draft = step.spec_num_draft  # [num_sampled]
     counts = num_draft + 1  # [num_sampled] logit rows per request
@@ -70,7 +71,7 @@ def sample_spec(
         group_dev = torch.from_numpy(group).to(dev, non_blocking=True)
         output[group_dev, : width + 1] = out
         num_accepted[group_dev] = acc
-    step.logprobs = None
+    logprobs = None
     if (batch.num_logprobs_np[s_rows] >= 0).any():
         # Raw logprobs of every logit row's emitted token (rows past a request's emitted ones are dropped).
         pos = np.arange(int(counts.sum())) - np.repeat(starts, counts)  # [num_logits]
@@ -78,25 +79,13 @@ def sample_spec(
             torch.from_numpy(np.repeat(np.arange(num_sampled), counts)).to(dev),
             torch.from_numpy(pos).to(dev),
         ]
-        step.logprobs = compute_logprobs_topk(
+        logprobs = compute_logprobs_topk(
             step.logits, flat.clamp(min=0), int(batch.num_logprobs_np[s_rows].max())
         )
     step.logits = None
     step.sample_gen = batch.row_gen[s_rows].copy()
     step.sample_num_logprobs = batch.num_logprobs_np[s_rows].copy()
-    step.sampled = output
-    step.spec_num_accepted = num_accepted
-    if dev.type == "cuda":
-        step.sampled_host = torch.empty(output.shape, dtype=torch.long, pin_memory=True)
-        step.sampled_host.copy_(output, non_blocking=True)
-        step.spec_num_accepted = torch.empty(num_sampled, dtype=torch.long, pin_memory=True)
-        step.spec_num_accepted.copy_(num_accepted, non_blocking=True)
-        if step.logprobs is not None:
-            step.logprobs = step.logprobs.to_host_async()
-        step.event = torch.cuda.Event()
-        step.event.record()
-    else:
-        step.sampled_host = output
+    return output, num_accepted, logprobs
 
 
 def collect_spec(step: StepInFlight, out: ModelRunnerOutput, batch: InputBatch) -> None:

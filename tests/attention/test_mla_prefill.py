@@ -18,6 +18,7 @@ import pagedllm.attention.mla as mla
 from pagedllm.attention.base import AttentionMetadata
 from pagedllm.attention.mla import MLAAttention, mla_prefill, mla_prefill_ref, plan_mla_step
 from pagedllm.kernels.mla_prefill import mla_prefill_attention_ref, plan_padded_groups
+from tests.utils import rel_l2
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 needs_cuda = pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs CUDA")
@@ -212,11 +213,6 @@ def test_query_longer_than_context_is_refused() -> None:
 
 # ------------------------------------------------------------------------------------------------ Triton
 
-
-def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    assert torch.isfinite(out).all(), "non-finite output (unwritten or NaN)"
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def widened(b: SimpleNamespace) -> SimpleNamespace:

@@ -13,6 +13,7 @@ import torch
 
 from pagedllm.attention.mla import write_latent_cache
 from pagedllm.kernels.mla_decode import mla_decode_ref
+from tests.utils import rel_l2
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 needs_cuda = pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs CUDA")
@@ -62,11 +63,6 @@ def make_batch(
         max_seq_len=max(seq_lens, default=0),
     )
 
-
-def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    assert torch.isfinite(out).all(), "non-finite output (unwritten or NaN)"
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def test_absorbed_twin_equals_expanded_attention() -> None:

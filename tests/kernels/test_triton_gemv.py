@@ -14,6 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.utils import rel_l2
+
 pytest.importorskip("triton")
 
 from pagedllm.kernels.gemv import GemvConfig, gemv, gemv_ref, pick_config  # noqa: E402
@@ -31,11 +33,6 @@ QWEN3_06B = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 10
 DOWN_SHAPES = {(4096, 14336), (1024, 3072)}  # their input comes from silu_and_mul
 UNTUNED = [(5120, 5120), (14336, 5120), (64, 4096), (3000, 1000), (8, 100000)]  # pick_config's heuristic
 
-
-def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    assert torch.isfinite(out).all(), "non-finite output (unwritten or NaN)"
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def randn(*shape, dtype, device, seed=0, scale=1.0):

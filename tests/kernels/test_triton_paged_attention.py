@@ -11,6 +11,8 @@ import os
 import pytest
 import torch
 
+from tests.utils import rel_l2
+
 triton = pytest.importorskip("triton")
 
 from pagedllm.attention.base import AttentionMetadata  # noqa: E402
@@ -23,11 +25,6 @@ needs_cuda = pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reas
 needs_interpreter = pytest.mark.skipif(not INTERPRET, reason="set TRITON_INTERPRET=1")
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
 
-
-def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    assert torch.isfinite(out).all(), "non-finite output (unwritten or NaN)"
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def make_batch(

@@ -12,6 +12,8 @@ import os
 import pytest
 import torch
 
+from tests.utils import rel_l2
+
 pytest.importorskip("triton")
 
 from pagedllm.kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
@@ -32,11 +34,6 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 # the interpreter truncates fp32 -> bf16 instead of rounding, about half an ulp everywhere.
 TOL = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 1e-2 if INTERPRET else 4e-3}
 
-
-def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    assert torch.isfinite(out).all(), "non-finite output (unwritten or NaN)"
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def randn(*shape, dtype, device, seed=0, scale=1.0):

@@ -15,6 +15,8 @@ import os
 import pytest
 import torch
 
+from tests.utils import rel_l2
+
 pytest.importorskip("triton")
 
 from pagedllm.kernels.lora_shrink_expand import (  # noqa: E402
@@ -32,11 +34,6 @@ needs_cuda = pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reas
 needs_interpreter = pytest.mark.skipif(not INTERPRET, reason="set TRITON_INTERPRET=1")
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
-
-def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    assert torch.isfinite(out).all(), "non-finite output (unwritten or NaN)"
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def check_shrink_expand(

@@ -23,12 +23,7 @@ from pagedllm.quantization.fp8 import (
     quantize_fp8_per_token,
 )
 from tests.quantization.quant_utils import quantize_fp8
-
-
-def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    assert torch.isfinite(out).all(), "non-finite output"
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+from tests.utils import rel_l2
 
 
 def _cpu_scaled_mm() -> bool:

@@ -13,6 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.utils import rel_l2
+
 pytest.importorskip("triton")
 
 from pagedllm.kernels.w4a16_gemm import w4a16_gemm, w4a16_gemm_ref  # noqa: E402
@@ -25,11 +27,6 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 needs_interpreter = pytest.mark.skipif(not INTERPRET, reason="set TRITON_INTERPRET=1")
 needs_cuda = pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs CUDA")
 
-
-def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    assert torch.isfinite(out).all(), "non-finite output (unwritten or NaN)"
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def make_operands(m: int, k: int, n: int, group_size: int, desc_act: bool, device: str, dtype: torch.dtype):
