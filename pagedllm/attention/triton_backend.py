@@ -22,6 +22,9 @@ from pagedllm.kernels.reshape_and_cache import reshape_and_cache
 
 class TritonAttentionBackend:
     name = "triton"
+    # The RoPE kernels may write this step's keys and values into the cache themselves (Attention.kv_write):
+    # forward(kv_written=True) then skips its own write, one launch per layer fewer.
+    accepts_written_kv = True
 
     def forward(
         self,
@@ -36,8 +39,10 @@ class TritonAttentionBackend:
         k_scale: float = 1.0,
         v_scale: float = 1.0,
         sinks: torch.Tensor | None = None,  # [num_heads]
+        kv_written: bool = False,  # this step's keys and values are already in kv_cache
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; padding rows (past metadata.num_tokens) zero
-        reshape_and_cache(key, value, kv_cache, metadata.slot_mapping, k_scale, v_scale)
+        if not kv_written:
+            reshape_and_cache(key, value, kv_cache, metadata.slot_mapping, k_scale, v_scale)
         options = dict(
             sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap,

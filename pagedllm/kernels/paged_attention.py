@@ -22,8 +22,10 @@ Grid ``(num_kv_heads, num_q_tiles, num_splits)`` (prefill tiles in reverse order
 Split-K (flash-decoding): when the grid is too small to fill the GPU and contexts are long, each q tile's
 key range is cut into ``num_splits`` equal runs of tiles (computed in the kernel from the real
 ``seq_lens``, so any split count is correct for any length). Each split writes an unnormalized partial
-output with its running max and sum to fp32 scratch and a second kernel merges them. See
-:func:`num_kv_splits` for the rule.
+output with its running max and sum to fp32 scratch, then takes a ticket from its q tile's counter; the last
+split to arrive merges all the tile's partials in split order (deterministic) and writes the output, so there is
+no second launch (a separate merge kernel cost ~2 µs plus a launch per layer in batch-1 decode). See
+:func:`num_kv_splits` for the rule and :func:`split_counters` for the counters.
 
 Sliding window and soft-cap (per layer, see ``pagedllm/attention/base.py``). With a window W, the query at
 position p sees keys ``p - W < k <= p``. A q tile whose queries sit at positions ``p0 .. p1`` then walks key
@@ -49,9 +51,10 @@ scale (``q . (k * ks) = (q . k) * ks``) and ``v_scale`` multiplies the fp32 accu
 CUDA graphs. The launcher reads only Python ints and never syncs. The attention grid is
 ``(num_kv_heads, num_q_tiles, num_splits)`` with ``num_q_tiles`` as above (``BLOCK_Q`` from
 :func:`tile_config`, a function of ``max_query_len``, the group, head_dim and dtype) and
-``num_splits = num_kv_splits(num_q_tiles, num_kv_heads, max_seq_len, num_SMs)``; with ``num_splits > 1`` a
-merge kernel runs over ``(query.shape[0], num_heads)`` and fp32 scratch is taken with ``torch.empty`` (from
-the graph's pool while capturing). To capture pure decode for a padded batch size B, call with
+``num_splits = num_kv_splits(num_q_tiles, num_kv_heads, max_seq_len, num_SMs)``; with ``num_splits > 1``
+fp32 scratch is taken with ``torch.empty`` (from the graph's pool while capturing) and the ticket counters must
+already exist (an eager launch of that size first, as the engine's warm-up does). To capture pure decode for a
+padded batch size B, call with
 ``num_reqs=B``, ``max_query_len=1`` and a fixed ``max_seq_len`` (say max_model_len): the grid is then fixed,
 and replays are correct for any ``seq_lens`` the block table covers, since the kernel reads lengths from
 device memory. Padding requests may have ``seq_lens == 0`` (their rows come out 0) or a query length of 0.
@@ -64,6 +67,9 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
+from pagedllm.kernels.pdl import pdl_launch_options, pdl_prologue
+from pagedllm.platform import use_pdl
 
 # Split-K rule constants (see num_kv_splits).
 _SPLIT_MIN_KEYS = 256  # fewest keys one split should walk
@@ -92,6 +98,29 @@ def num_kv_splits(num_q_tiles: int, num_kv_heads: int, max_seq_len: int, num_sms
         return 1
     splits = min(triton.cdiv(target, base), max_seq_len // _SPLIT_MIN_KEYS, _MAX_SPLITS)
     return 1 << (splits.bit_length() - 1)  # round down to a power of two
+
+
+_SPLIT_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """At least ``n`` zeroed int32 ticket counters on ``device`` for the split-K merge, cached per device.
+
+    Each launch leaves them zeroed again, so one buffer serves every launch on the device's stream (launches
+    on several streams of one device at once must not share it). The first one is made outside a CUDA graph
+    capture: a buffer made while capturing would be filled only at the graph's first replay. The engine's
+    graphs run the model once eagerly before capturing, which makes it.
+    """
+    buf = _SPLIT_COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"paged_attention: no split-K counters for {n} q tiles on {device} yet; run one launch of this "
+                "size before capturing a CUDA graph"
+            )
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _SPLIT_COUNTERS[device] = buf
+    return buf
 
 
 @triton.jit
@@ -160,6 +189,7 @@ def _paged_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
     part_acc_ptr,  # [num_tokens, num_heads, NUM_SPLITS, head_dim] fp32 (only when NUM_SPLITS > 1)
     part_ml_ptr,  # [2, num_tokens, num_heads, NUM_SPLITS] fp32: running max (log2 units), running sum
+    counter_ptr,  # [num_kv_heads * num_q_tiles] int32, zero between launches (only when NUM_SPLITS > 1)
     block_table_ptr,  # [num_reqs, max_blocks_per_req] int32
     seq_lens_ptr,  # [num_reqs] int32
     query_start_loc_ptr,  # [num_reqs + 1] int32
@@ -194,7 +224,9 @@ def _paged_attention_kernel(
     SOFT_CAP: tl.constexpr,  # tanh soft-cap on the scores
     KV_FP8: tl.constexpr,  # float8_e4m3fn cache: scale the accumulator by v_scale
     SINKS: tl.constexpr,  # one extra logit per head in the softmax denominator (no value)
+    PDL: tl.constexpr,  # launched as a programmatic dependent launch (pagedllm/kernels/pdl.py)
 ):
+    pdl_prologue(PDL)
     kv_head = tl.program_id(0)
     tile_id = tl.program_id(1)
     split = tl.program_id(2)
@@ -308,40 +340,44 @@ def _paged_attention_kernel(
             mask=row_valid[:, None],
         )
     else:
-        part_row = (q_row * NUM_HEADS + head) * NUM_SPLITS + split  # [BLOCK_M]
-        tl.store(part_acc_ptr + part_row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_valid[:, None])
-        tl.store(part_ml_ptr + part_row, m_i, mask=row_valid)
-        tl.store(part_ml_ptr + part_ml_stride + part_row, l_i, mask=row_valid)
-
-
-@triton.jit(do_not_specialize=["num_reqs", "part_ml_stride"])
-def _merge_splits_kernel(
-    out_ptr,  # [num_tokens, num_heads, head_dim]
-    part_acc_ptr,  # [num_tokens, num_heads, NUM_SPLITS, head_dim] fp32
-    part_ml_ptr,  # [2, num_tokens, num_heads, NUM_SPLITS] fp32
-    query_start_loc_ptr,  # [num_reqs + 1] int32
-    num_reqs,
-    part_ml_stride,
-    stride_ot,
-    stride_oh,
-    NUM_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-):
-    t = tl.program_id(0)
-    h = tl.program_id(1)
-    if t >= tl.load(query_start_loc_ptr + num_reqs):  # padding row: no request wrote partials
-        return
-    row = (t.to(tl.int64) * NUM_HEADS + h) * NUM_SPLITS
-    offs_s = tl.arange(0, NUM_SPLITS)
-    offs_d = tl.arange(0, HEAD_DIM)
-    m = tl.load(part_ml_ptr + row + offs_s)
-    l_s = tl.load(part_ml_ptr + part_ml_stride + row + offs_s)
-    w = tl.math.exp2(m - tl.max(m, 0))  # [NUM_SPLITS]
-    denom = tl.sum(w * l_s, 0)
-    acc = tl.load(part_acc_ptr + (row + offs_s)[:, None] * HEAD_DIM + offs_d[None, :])
-    out = tl.sum(acc * w[:, None], 0) / tl.where(denom > 0.0, denom, 1.0)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
+        row0 = (q_row * NUM_HEADS + head) * NUM_SPLITS  # [BLOCK_M]: each row's split 0
+        tl.store(
+            part_acc_ptr + (row0 + split)[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_valid[:, None]
+        )
+        tl.store(part_ml_ptr + row0 + split, m_i, mask=row_valid)
+        tl.store(part_ml_ptr + part_ml_stride + row0 + split, l_i, mask=row_valid)
+        # The last of this q tile's splits to finish merges them all, in split order (deterministic).
+        tl.debug_barrier()  # every thread's partials are written before the (release) ticket below
+        counter = counter_ptr + kv_head * tl.num_programs(1) + tile_id
+        ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if ticket == NUM_SPLITS - 1:  # the other splits' partials are visible
+            m_max = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+            for s in range(NUM_SPLITS):
+                m_s = tl.load(part_ml_ptr + row0 + s, mask=row_valid, other=-1.0e30, cache_modifier=".cg")
+                m_max = tl.maximum(m_max, m_s)
+            denom = tl.zeros([BLOCK_M], dtype=tl.float32)
+            out = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+            for s in range(NUM_SPLITS):
+                m_s = tl.load(part_ml_ptr + row0 + s, mask=row_valid, other=-1.0e30, cache_modifier=".cg")
+                l_s = tl.load(
+                    part_ml_ptr + part_ml_stride + row0 + s, mask=row_valid, other=0.0, cache_modifier=".cg"
+                )
+                w = tl.math.exp2(m_s - m_max)  # [BLOCK_M]
+                denom += w * l_s
+                acc_s = tl.load(
+                    part_acc_ptr + (row0 + s)[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=row_valid[:, None],
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
+                out += acc_s * w[:, None]
+            out = out / tl.where(denom > 0.0, denom, 1.0)[:, None]
+            tl.store(
+                out_ptr + q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                out.to(out_ptr.dtype.element_ty),
+                mask=row_valid[:, None],
+            )
+            tl.atomic_xchg(counter, 0)  # ready for the next launch (or graph replay)
 
 
 @functools.lru_cache(maxsize=256)
@@ -435,19 +471,22 @@ def paged_attention(
         part_ml = torch.empty(
             (2, num_tokens, num_heads, num_splits), dtype=torch.float32, device=query.device
         )
+        counters = split_counters(query.device, num_kv_heads * num_q_tiles)
     else:
-        part_acc = part_ml = out  # unused
+        part_acc = part_ml = counters = out  # unused
     part_ml_stride = num_tokens * num_heads * num_splits
     qk_scale = scale / logits_soft_cap if logits_soft_cap else scale * _LOG2E
     if kv_fp8:
         qk_scale *= float(k_scale)  # q . (k_fp8 * k_scale) = (q . k_fp8) * k_scale
     assert num_q_tiles < 65536, f"{num_q_tiles} query tiles: over the grid's y limit"
+    pdl = use_pdl(query)
     _paged_attention_kernel[(num_kv_heads, num_q_tiles, num_splits)](
         query,
         kv_cache,
         out,
         part_acc,
         part_ml,
+        counters,
         block_table,
         seq_lens,
         query_start_loc,
@@ -482,24 +521,11 @@ def paged_attention(
         SOFT_CAP=logits_soft_cap is not None,
         KV_FP8=kv_fp8,
         SINKS=sinks is not None,
+        PDL=pdl,
         num_warps=num_warps,
         num_stages=num_stages,
+        **pdl_launch_options(pdl),
     )
-    if num_splits > 1:
-        _merge_splits_kernel[(num_tokens, num_heads)](
-            out,
-            part_acc,
-            part_ml,
-            query_start_loc,
-            num_reqs,
-            part_ml_stride,
-            out.stride(0),
-            out.stride(1),
-            NUM_HEADS=num_heads,
-            HEAD_DIM=head_dim,
-            NUM_SPLITS=num_splits,
-            num_warps=4 if head_dim * num_splits >= 2048 else 2,
-        )
     return out
 
 

@@ -19,8 +19,11 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.pdl import pdl_launch_options, pdl_prologue
+from pagedllm.kernels.reshape_and_cache import KVCacheWrite, cache_token
 from pagedllm.kernels.rms_norm import rms_norm_ref
-from pagedllm.kernels.rotary import rotary_embedding_ref
+from pagedllm.kernels.rotary import cache_launch_args, rotary_embedding_ref
+from pagedllm.platform import use_pdl
 
 
 @triton.jit
@@ -75,13 +78,32 @@ def _qk_norm_rope_kernel(
     num_heads,
     num_kv_heads,
     eps,
+    # With CACHE (a KVCacheWrite, kernels/reshape_and_cache.py): also write the rotated keys and the values into
+    # the paged cache, as reshape_and_cache would (else these are unused).
+    value_ptr,
+    kv_cache_ptr,
+    slot_mapping_ptr,
+    k_scale,
+    v_scale,
+    stride_vt,
+    stride_vh,
+    stride_kv,
+    stride_cb,
+    stride_cs,
+    stride_ch,
     HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr,  # rotary_dim // 2
     HALF_PAD: tl.constexpr,  # next power of two >= HALF
     TAIL_PAD: tl.constexpr,  # next power of two >= HEAD_DIM - 2 * HALF (0: full rotary)
     Q_HEADS_PAD: tl.constexpr,
     K_HEADS_PAD: tl.constexpr,
+    HEAD_DIM_POW2: tl.constexpr,  # head_dim (a power of two with CACHE)
+    BLOCK_SIZE: tl.constexpr,
+    FP8: tl.constexpr,
+    CACHE: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent launch (pagedllm/kernels/pdl.py)
 ):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + row).to(tl.int64)
     d = tl.arange(0, HALF_PAD)[None, :]
@@ -95,6 +117,13 @@ def _qk_norm_rope_kernel(
         k_ptr, k_weight_ptr, row, stride_kt, stride_kh, num_kv_heads, eps, cos, sin,
         HEAD_DIM, HALF, HALF_PAD, TAIL_PAD, K_HEADS_PAD,
     )  # fmt: skip
+    if CACHE:
+        tl.debug_barrier()  # the rotated keys this program stored are visible to all its threads
+        cache_token(
+            row, k_ptr, stride_kt, stride_kh, value_ptr, kv_cache_ptr, slot_mapping_ptr, k_scale, v_scale, stride_vt,
+            stride_vh, stride_kv, stride_cb, stride_cs, stride_ch, num_kv_heads, HEAD_DIM_POW2, K_HEADS_PAD,
+            BLOCK_SIZE, FP8,
+        )  # fmt: skip
 
 
 def qk_norm_rope(
@@ -106,6 +135,7 @@ def qk_norm_rope(
     eps: float,
     cos_cache: torch.Tensor,  # [max_position, rotary_dim // 2]
     sin_cache: torch.Tensor,  # [max_position, rotary_dim // 2]
+    cache: KVCacheWrite | None = None,  # also write the keys (normed, rotated) and values into the paged cache
 ) -> None:
     assert query.dim() == 3 and key.dim() == 3, f"q {tuple(query.shape)}, k {tuple(key.shape)}"
     num_tokens, num_heads, head_dim = query.shape
@@ -133,13 +163,18 @@ def qk_norm_rope(
     tail = head_dim - 2 * half
     q_heads_pad, k_heads_pad = triton.next_power_of_2(num_heads), triton.next_power_of_2(num_kv_heads)
     tile = max(q_heads_pad, k_heads_pad) * triton.next_power_of_2(head_dim)
+    pdl = use_pdl(query)
+    if cache is not None:
+        cache.check(key)
     _qk_norm_rope_kernel[(num_tokens,)](
         query, key, q_weight, k_weight, cos_cache, sin_cache, positions,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), cos_cache.stride(0), sin_cache.stride(0),
-        num_heads, num_kv_heads, eps,
+        num_heads, num_kv_heads, eps, *cache_launch_args(cache, query),
         HEAD_DIM=head_dim, HALF=half, HALF_PAD=triton.next_power_of_2(half),
         TAIL_PAD=triton.next_power_of_2(tail) if tail else 0, Q_HEADS_PAD=q_heads_pad, K_HEADS_PAD=k_heads_pad,
-        num_warps=min(max(tile // 512, 1), 8),
+        HEAD_DIM_POW2=triton.next_power_of_2(head_dim), BLOCK_SIZE=cache.kv_cache.shape[2] if cache else 1,
+        FP8=cache is not None and cache.kv_cache.dtype == torch.float8_e4m3fn, CACHE=cache is not None,
+        PDL=pdl, num_warps=min(max(tile // 512, 1), 8), **pdl_launch_options(pdl),
     )  # fmt: skip
 
 

@@ -10,6 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.pdl import pdl_launch_options, pdl_prologue
+from pagedllm.platform import use_pdl
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -26,7 +29,9 @@ def _rms_norm_kernel(
     eps,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent launch (pagedllm/kernels/pdl.py)
 ):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -64,9 +69,10 @@ def rms_norm(
     if x.shape[0] == 0:
         return out
     block, num_warps = _launch_config(x.shape[1])
+    pdl = use_pdl(x)
     _rms_norm_kernel[(x.shape[0],)](
         x, x, weight, out, out, x.stride(0), 0, out.stride(0), 0, x.shape[1], eps,
-        BLOCK=block, HAS_RESIDUAL=False, num_warps=num_warps,
+        BLOCK=block, HAS_RESIDUAL=False, PDL=pdl, num_warps=num_warps, **pdl_launch_options(pdl),
     )  # fmt: skip
     return out
 
@@ -85,9 +91,11 @@ def fused_add_rms_norm(
     if x.shape[0] == 0:
         return out, residual_out
     block, num_warps = _launch_config(x.shape[1])
+    pdl = use_pdl(x)
     _rms_norm_kernel[(x.shape[0],)](
         x, residual, weight, out, residual_out, x.stride(0), residual.stride(0), out.stride(0),
-        residual_out.stride(0), x.shape[1], eps, BLOCK=block, HAS_RESIDUAL=True, num_warps=num_warps,
+        residual_out.stride(0), x.shape[1], eps, BLOCK=block, HAS_RESIDUAL=True, PDL=pdl, num_warps=num_warps,
+        **pdl_launch_options(pdl),
     )  # fmt: skip
     return out, residual_out
 

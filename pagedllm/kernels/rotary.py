@@ -12,6 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.pdl import pdl_launch_options, pdl_prologue
+from pagedllm.kernels.reshape_and_cache import KVCacheWrite, cache_token
+from pagedllm.platform import use_pdl
+
 
 @triton.jit
 def _rotate_heads(
@@ -42,10 +46,29 @@ def _rotary_kernel(
     stride_sin,
     num_heads,
     num_kv_heads,
+    # With CACHE (a KVCacheWrite, kernels/reshape_and_cache.py): also write the rotated keys and the values into
+    # the paged cache, as reshape_and_cache would (else these are unused).
+    value_ptr,
+    kv_cache_ptr,
+    slot_mapping_ptr,
+    k_scale,
+    v_scale,
+    stride_vt,
+    stride_vh,
+    stride_kv,
+    stride_cb,
+    stride_cs,
+    stride_ch,
     HALF: tl.constexpr,  # rotary_dim // 2, a power of two
     Q_HEADS_PAD: tl.constexpr,
     K_HEADS_PAD: tl.constexpr,
+    HEAD_DIM_POW2: tl.constexpr,  # head_dim (a power of two with CACHE)
+    BLOCK_SIZE: tl.constexpr,
+    FP8: tl.constexpr,
+    CACHE: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent launch (pagedllm/kernels/pdl.py)
 ):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + row).to(tl.int64)
     d = tl.arange(0, HALF)[None, :]
@@ -53,6 +76,13 @@ def _rotary_kernel(
     sin = tl.load(sin_ptr + pos * stride_sin + d).to(tl.float32)
     _rotate_heads(q_ptr, row, stride_qt, stride_qh, cos, sin, num_heads, Q_HEADS_PAD, HALF)
     _rotate_heads(k_ptr, row, stride_kt, stride_kh, cos, sin, num_kv_heads, K_HEADS_PAD, HALF)
+    if CACHE:
+        tl.debug_barrier()  # the rotated keys this program stored are visible to all its threads
+        cache_token(
+            row, k_ptr, stride_kt, stride_kh, value_ptr, kv_cache_ptr, slot_mapping_ptr, k_scale, v_scale, stride_vt,
+            stride_vh, stride_kv, stride_cb, stride_cs, stride_ch, num_kv_heads, HEAD_DIM_POW2, K_HEADS_PAD,
+            BLOCK_SIZE, FP8,
+        )  # fmt: skip
 
 
 def rotary_embedding(
@@ -61,6 +91,7 @@ def rotary_embedding(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], rotated in place
     cos_cache: torch.Tensor,  # [max_position, rotary_dim // 2]
     sin_cache: torch.Tensor,  # [max_position, rotary_dim // 2]
+    cache: KVCacheWrite | None = None,  # also write the rotated keys and the values into the paged cache
 ) -> None:
     assert query.dim() == 3 and key.dim() == 3, f"q {tuple(query.shape)}, k {tuple(key.shape)}"
     num_tokens, num_heads, head_dim = query.shape
@@ -79,13 +110,25 @@ def rotary_embedding(
     if num_tokens == 0:
         return
     heads_pad = triton.next_power_of_2(max(num_heads, key.shape[1]))
+    pdl = use_pdl(query)
+    if cache is not None:
+        cache.check(key)
     _rotary_kernel[(num_tokens,)](
         query, key, cos_cache, sin_cache, positions,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), cos_cache.stride(0), sin_cache.stride(0),
-        num_heads, key.shape[1],
+        num_heads, key.shape[1], *cache_launch_args(cache, query),
         HALF=half, Q_HEADS_PAD=triton.next_power_of_2(num_heads), K_HEADS_PAD=triton.next_power_of_2(key.shape[1]),
-        num_warps=4 if heads_pad * half >= 1024 else 1,
+        HEAD_DIM_POW2=triton.next_power_of_2(head_dim), BLOCK_SIZE=cache.kv_cache.shape[2] if cache else 1,
+        FP8=cache is not None and cache.kv_cache.dtype == torch.float8_e4m3fn, CACHE=cache is not None,
+        PDL=pdl, num_warps=4 if heads_pad * half >= 1024 else 1, **pdl_launch_options(pdl),
     )  # fmt: skip
+
+
+def cache_launch_args(cache: KVCacheWrite | None, dummy: torch.Tensor) -> tuple:
+    """The CACHE arguments of the RoPE kernels: the write's, or placeholders (never read) without one."""
+    if cache is not None:
+        return cache.launch_args()
+    return (dummy, dummy, dummy, 1.0, 1.0, 0, 0, 0, 0, 0, 0)
 
 
 def rotary_embedding_ref(

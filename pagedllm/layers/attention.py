@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from pagedllm.attention.base import AttentionBackend, AttentionMetadata
+from pagedllm.platform import use_fused_kernels
+
+if TYPE_CHECKING:
+    from pagedllm.kernels.reshape_and_cache import KVCacheWrite
 
 
 class Attention(nn.Module):
@@ -80,9 +86,12 @@ class Attention(nn.Module):
         value: torch.Tensor,  # [T, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         attn_metadata: AttentionMetadata,
+        kv_written: bool = False,  # the caller wrote key/value into kv_cache already (through kv_write())
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        # sinks only when set: a backend that does not know the option still serves every other model
+        # sinks and kv_written only when set: a backend that does not know them still serves every other model
         options = {} if self.sinks is None else {"sinks": self.sinks}
+        if kv_written:
+            options["kv_written"] = True
         return self.attn_backend.forward(
             query,
             key,
@@ -96,6 +105,23 @@ class Attention(nn.Module):
             v_scale=self.v_scale,
             **options,
         )
+
+    def kv_write(
+        self,
+        value: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        attn_metadata: AttentionMetadata,
+    ) -> KVCacheWrite | None:
+        """Where the kernel that makes this step's keys (RoPE) may also write them and ``value`` into this layer's
+        cache, exactly as the backend would: the backend's slot mapping for this layer's KV group and its FP8
+        scales. None where the backend writes the cache itself (not the Triton one, or off the fused kernels);
+        otherwise the caller must pass ``kv_written=True`` to :meth:`forward` once the keys are written."""
+        if not getattr(self.attn_backend, "accepts_written_kv", False) or not use_fused_kernels(value):
+            return None
+        from pagedllm.kernels.reshape_and_cache import KVCacheWrite
+
+        slot_mapping = attn_metadata.for_kv_group(self.kv_group).slot_mapping
+        return KVCacheWrite(value, kv_cache, slot_mapping, self.k_scale, self.v_scale)
 
     def extra_repr(self) -> str:
         return (

@@ -26,7 +26,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from pagedllm.platform import use_fused_kernels
+from pagedllm.platform import use_fused_kernels, use_pdl
 
 PACK_MIN_ELEMENTS = 1 << 16
 _PACKED_DTYPES = (torch.float32, torch.bfloat16)
@@ -88,6 +88,7 @@ def one_row_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
+
 def linear(
     x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None, bias: torch.Tensor | None = None
 ) -> torch.Tensor:  # [..., in] -> [..., out]
@@ -97,7 +98,8 @@ def linear(
         if one_row_gemv(x, weight):
             from pagedllm.kernels.gemv import gemv
 
-            return gemv(x.reshape(1, -1), weight, bias).view(*x.shape[:-1], weight.shape[0])
+            out = gemv(x.reshape(1, -1), weight, bias, pdl=use_pdl(x))
+            return out.view(*x.shape[:-1], weight.shape[0])
         return F.linear(x, weight, bias)
     if x.dtype != weight.dtype:  # oneDNN wants one dtype; F.linear raises the same mismatch
         raise RuntimeError(f"input dtype {x.dtype} does not match the weight's {weight.dtype}")

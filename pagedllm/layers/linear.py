@@ -32,6 +32,7 @@ from torch import nn
 from pagedllm.distributed.communicator import all_reduce
 from pagedllm.distributed.parallel_state import TPGroup, divide
 from pagedllm.layers.cpu_gemm import linear, one_row_gemv, pack_weight
+from pagedllm.platform import use_pdl
 
 
 def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
@@ -384,7 +385,8 @@ def act_then_linear(layer: Linear, x: torch.Tensor, act: str) -> torch.Tensor | 
         return None
     from pagedllm.kernels.gemv import gemv
 
-    out = gemv(x.reshape(1, -1), layer.weight, layer.bias, act=act).view(*x.shape[:-1], layer.output_size)
+    out = gemv(x.reshape(1, -1), layer.weight, layer.bias, act=act, pdl=use_pdl(x))
+    out = out.view(*x.shape[:-1], layer.output_size)
     if isinstance(layer, RowParallelLinear) and layer.reduce_results:
         out = all_reduce(out, layer.tp)
     return out

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from pagedllm.platform import use_fused_kernels
+
+if TYPE_CHECKING:
+    from pagedllm.kernels.reshape_and_cache import KVCacheWrite
 
 
 def rope_config(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
@@ -147,6 +150,7 @@ class RotaryEmbedding(nn.Module):
         positions: torch.Tensor,  # [T]
         query: torch.Tensor,  # [T, num_heads, head_dim]
         key: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        cache: KVCacheWrite | None = None,  # also write the rotated keys and the values there (fused kernels only)
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if use_fused_kernels(query):
             from pagedllm.kernels.rotary import rotary_embedding
@@ -154,9 +158,11 @@ class RotaryEmbedding(nn.Module):
             half = self.rotary_dim // 2
             # Rotates in place; cos/sin are column views of the [cos | sin] table.
             rotary_embedding(
-                positions, query, key, self.cos_sin_cache[:, :half], self.cos_sin_cache[:, half:]
+                positions, query, key, self.cos_sin_cache[:, :half], self.cos_sin_cache[:, half:], cache=cache
             )
             return query, key
+        if cache is not None:
+            raise ValueError("RotaryEmbedding writes the KV cache only through the fused kernels (a CUDA tensor)")
         cos_sin = self.cos_sin_cache[positions]  # [T, rotary_dim]
         cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # [T, 1, rotary_dim // 2] each
         cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)  # [T, 1, rotary_dim] each

@@ -84,6 +84,8 @@ class LlamaAttention(nn.Module):
         # The plain RMSNorm (Qwen3) and rotary table: on the fused kernels' devices, the q/k norm and RoPE run as one
         # Triton launch (kernels/qk_norm_rope.py). Gemma's norm keeps the unfused path.
         self.norm_rope_fusable = self.qk_norm_cls is RMSNorm and type(rotary_emb) is RotaryEmbedding
+        # The plain rotary table's kernels (with or without the q/k norm) can write the KV cache as well.
+        self.rope_writes_cache = type(rotary_emb) is RotaryEmbedding
         self.attn = Attention(
             self.num_heads,
             self.head_dim,
@@ -128,6 +130,9 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, num_heads, head_dim]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, num_kv_heads, head_dim]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, num_kv_heads, head_dim]
+        # On the fused kernels the RoPE kernel also writes this step's keys and values into the cache (one launch
+        # per layer fewer); kv_write is None where the attention backend writes them itself.
+        kv_write = self.attn.kv_write(v, kv_cache, attn_metadata) if self.rope_writes_cache else None
         if self.norm_rope_fusable and use_fused_kernels(q):
             from pagedllm.kernels.qk_norm_rope import qk_norm_rope
 
@@ -135,12 +140,12 @@ class LlamaAttention(nn.Module):
             cos_sin = self.rotary_emb.cos_sin_cache  # [max_position, rotary_dim]: [cos | sin]
             qk_norm_rope(
                 positions, q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
-                cos_sin[:, :half], cos_sin[:, half:],
+                cos_sin[:, :half], cos_sin[:, half:], cache=kv_write,
             )  # fmt: skip
         else:
             q, k = self.qk_norm(q, k)
-            q, k = self.rotary_emb(positions, q, k)
-        o = self.attn(q, k, v, kv_cache, attn_metadata)  # [T, num_heads, head_dim]
+            q, k = self.rotary_emb(positions, q, k, cache=kv_write)
+        o = self.attn(q, k, v, kv_cache, attn_metadata, kv_written=kv_write is not None)  # [T, num_heads, head_dim]
         return self.o_proj(o.reshape(num_tokens, self.num_heads * self.head_dim))
 
 

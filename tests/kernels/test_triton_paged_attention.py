@@ -421,6 +421,51 @@ def test_paged_attention_split_k_interpret(num_splits):
     check_attention([(9, 700), (1, 40), (3, 3)], 4, 2, 16, 16, torch.bfloat16, "cpu", num_splits)
 
 
+def check_split_merge_repeats(device: str) -> None:
+    """The last split of each q tile merges them all: repeated launches (decode and a chunk over a long prefix)
+    give bit-identical outputs, and leave every ticket counter at 0 for the next launch."""
+    from pagedllm.kernels import paged_attention as pa
+
+    for lens in ([(1, 600), (1, 3), (1, 1100), (1, 0)], [(9, 700), (1, 40)]):
+        b = make_batch(lens, 4, 2, 16, 16, torch.bfloat16, device, seed=3)
+        outs = []
+        for _ in range(3):
+            out = torch.full_like(b["query"], float("nan"))
+            paged_attention(
+                b["query"], b["kv_cache"], b["block_table"], b["seq_lens"], b["query_start_loc"], 0.25,
+                b["num_reqs"], b["max_query_len"], b["max_seq_len"], out=out, num_splits=8,
+            )  # fmt: skip
+            outs.append(out)
+            assert int(pa._SPLIT_COUNTERS[out.device].abs().sum()) == 0
+        assert not outs[0].isnan().any()
+        assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+def test_split_counters_are_not_made_while_capturing(monkeypatch):
+    """A counter buffer made inside a CUDA graph capture would stay unfilled until the first replay: refused."""
+    from pagedllm.kernels import paged_attention as pa
+
+    monkeypatch.setattr(pa, "_SPLIT_COUNTERS", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="before capturing a CUDA graph"):
+        pa.split_counters(torch.device("cuda", 0), 64)
+    assert pa._SPLIT_COUNTERS == {}
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    got = pa.split_counters(torch.device("cpu"), 64)
+    assert got.numel() >= 64 and not got.any() and pa.split_counters(torch.device("cpu"), 8) is got
+
+
+@needs_interpreter
+def test_split_merge_repeats_interpret():
+    check_split_merge_repeats("cpu")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_split_merge_repeats_gpu():
+    check_split_merge_repeats("cuda")
+
+
 @needs_interpreter
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_padding_requests_interpret(num_splits):

@@ -17,7 +17,8 @@ from tests.utils import rel_l2
 pytest.importorskip("triton")
 
 from pagedllm.kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
-from pagedllm.kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_ref  # noqa: E402
+from pagedllm.kernels.qk_norm_rope import qk_norm_rope  # noqa: E402
+from pagedllm.kernels.reshape_and_cache import KVCacheWrite, reshape_and_cache, reshape_and_cache_ref  # noqa: E402
 from pagedllm.kernels.rms_norm import (  # noqa: E402
     fused_add_rms_norm,
     fused_add_rms_norm_ref,
@@ -111,6 +112,46 @@ def check_reshape_and_cache(num_tokens, num_kv_heads, head_dim, block_size, dtyp
     assert torch.equal(cache.nan_to_num(), cache_ref.nan_to_num())
 
 
+def check_rope_writes_cache(
+    num_tokens, num_heads, num_kv_heads, head_dim, rotary_dim, block_size, dtype, device, norm=False,
+    cache_dtype=None, seed=0,
+):  # fmt: skip
+    """RoPE (or q/k norm + RoPE) with a KVCacheWrite equals the same kernel without it followed by
+    reshape_and_cache, bit for bit: q, k, v and every cache slot (written or not, NaN-poisoned)."""
+    g = torch.Generator().manual_seed(seed)
+    half = rotary_dim // 2
+    cos_sin = torch.rand(4096, 2, half, generator=g).to(dtype).to(device)
+    cos, sin = cos_sin[:, 0], cos_sin[:, 1]
+    positions = torch.randint(0, 4096, (num_tokens,), generator=g).to(device)
+    qkv = randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, dtype=dtype, device=device, seed=seed)
+    weights = (torch.rand(2, head_dim, generator=g) + 0.5).to(dtype).to(device)
+    num_blocks = triton_cdiv(num_tokens, block_size) + 3
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
+    slots[torch.rand(num_tokens, generator=g) < 0.2] = -1  # padding tokens
+    slot_mapping = slots.to(torch.int64).to(device)
+    cache0 = torch.full(
+        (2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype, device=device
+    ).to(cache_dtype or dtype)
+    k_scale, v_scale = (0.5, 2.0) if cache_dtype is not None else (1.0, 1.0)
+    results = []
+    for fused in (False, True):
+        x, cache = qkv.clone(), cache0.clone()
+        q, k, v = x.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+        write = KVCacheWrite(v, cache, slot_mapping, k_scale, v_scale) if fused else None
+        if norm:
+            qk_norm_rope(positions, q, k, weights[0], weights[1], 1e-6, cos, sin, cache=write)
+        else:
+            rotary_embedding(positions, q, k, cos, sin, cache=write)
+        if not fused:
+            reshape_and_cache(k, v, cache, slot_mapping, k_scale, v_scale)
+        results.append((x, cache.float()))
+    (x_a, cache_a), (x_b, cache_b) = results
+    assert torch.equal(x_a, x_b)
+    assert torch.equal(cache_a.isnan(), cache_b.isnan())
+    assert torch.equal(cache_a.nan_to_num(), cache_b.nan_to_num())
+    assert not cache_b.isnan().all()  # something was written
+
+
 def triton_cdiv(a, b):
     return (a + b - 1) // b
 
@@ -153,6 +194,20 @@ def test_reshape_and_cache_gpu(dtype, block_size, heads_dim):
     check_reshape_and_cache(1000, *heads_dim, block_size, dtype, "cuda")
 
 
+# (tokens, heads, kv heads, head_dim, rotary_dim, block_size)
+ROPE_CACHE_SHAPES = [(300, 32, 8, 128, 128, 16), (17, 16, 8, 128, 64, 1), (64, 14, 2, 64, 32, 8)]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("shape", ROPE_CACHE_SHAPES)
+def test_rope_writes_cache_gpu(dtype, norm, shape):
+    check_rope_writes_cache(*shape, dtype, "cuda", norm=norm)
+    check_rope_writes_cache(*shape, dtype, "cuda", norm=norm, cache_dtype=torch.float8_e4m3fn, seed=1)
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_reshape_and_cache_large_cache_gpu():
@@ -190,3 +245,12 @@ def test_small_kernels_interpret(dtype):
     check_rotary(3, 5, 1, 64, 32, dtype, "cpu")  # partial rotary, non power-of-two head count
     check_reshape_and_cache(20, 3, 16, 4, dtype, "cpu")
     check_reshape_and_cache(9, 2, 32, 1, dtype, "cpu")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_writes_cache_interpret(dtype):
+    check_rope_writes_cache(7, 4, 2, 32, 32, 4, dtype, "cpu")
+    check_rope_writes_cache(5, 5, 1, 64, 32, 16, dtype, "cpu")  # partial rotary
+    check_rope_writes_cache(6, 4, 2, 32, 32, 4, dtype, "cpu", norm=True)
+    check_rope_writes_cache(3, 6, 3, 64, 32, 1, dtype, "cpu", norm=True)

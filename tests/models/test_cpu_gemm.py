@@ -157,6 +157,30 @@ def test_act_then_linear_declines_on_cpu_and_under_lora_or_quantization() -> Non
     assert act_then_linear(layer, torch.randn(1, 64), "silu_and_mul") is None  # CPU: the caller runs both
 
 
+def test_pdl_only_inside_its_scope_on_hopper_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kernels launch as PDL only inside launch_with_pdl (the decode graphs' capture), on compute capability 9+
+    with the fused kernels on, and not with PAGEDLLM_PDL=0."""
+    from types import SimpleNamespace
+
+    from pagedllm import platform
+
+    gpu_row = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
+    assert not platform.use_pdl(torch.zeros(1))
+    monkeypatch.setattr(platform, "use_fused_kernels", lambda x: x.is_cuda)
+    monkeypatch.setattr(platform, "_pdl_capable", lambda index: True)  # a faked Hopper
+    assert not platform.use_pdl(gpu_row)  # outside the scope: plain launches
+    with platform.launch_with_pdl():
+        assert platform.use_pdl(gpu_row)
+        assert not platform.use_pdl(torch.zeros(1))  # CPU
+        monkeypatch.setenv("PAGEDLLM_PDL", "0")
+        assert not platform.use_pdl(gpu_row)
+        monkeypatch.delenv("PAGEDLLM_PDL")
+        monkeypatch.setattr(platform, "_pdl_capable", lambda index: False)  # Ampere
+        assert not platform.use_pdl(gpu_row)
+    monkeypatch.setattr(platform, "_pdl_capable", lambda index: True)
+    assert not platform.use_pdl(gpu_row)  # the scope has ended
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("bias", [False, True])
 def test_one_row_linear_and_mlp_take_the_gemv_on_gpu(monkeypatch: pytest.MonkeyPatch, bias: bool) -> None:
@@ -168,11 +192,15 @@ def test_one_row_linear_and_mlp_take_the_gemv_on_gpu(monkeypatch: pytest.MonkeyP
     from pagedllm.layers.embedding import LMHead
     from pagedllm.layers.linear import Linear
     from pagedllm.models.llama import LlamaMLP
+    from pagedllm.platform import launch_with_pdl
 
     calls = []
     real = gemv_mod.gemv
 
+    pdl = []
+
     def counting(*args, **kwargs):
+        pdl.append(kwargs.get("pdl"))
         calls.append(kwargs.get("act"))
         return real(*args, **kwargs)
 
@@ -190,6 +218,10 @@ def test_one_row_linear_and_mlp_take_the_gemv_on_gpu(monkeypatch: pytest.MonkeyP
     with torch.inference_mode():
         got = [mlp(x), lin(x), head(x)]
         assert calls == [None, "silu_and_mul", None, None]  # gate_up, down with silu, the linear, the head
+        assert pdl == [False] * 4  # eager: plain launches
+        with launch_with_pdl():  # as in the decode graphs' capture: PDL on Hopper and later
+            torch.testing.assert_close(lin(x), got[1], rtol=0, atol=0)
+        assert pdl[-1] is (torch.cuda.get_device_capability()[0] >= 9)
         calls.clear()
         mlp(torch.randn(2, 256, device=dev, dtype=torch.bfloat16))
         assert calls == []
