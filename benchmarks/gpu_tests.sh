@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The whole GPU test suite (`pytest -m gpu tests/`) in one device call: four pytest processes share the GPU (the
+# The whole GPU test suite (`pytest -m gpu tests/`) in one device call: five pytest processes share the GPU (the
 # tests' models are tiny; most of the time is Triton compiling, which the machine's CPU cores do side by side).
 # Each group's log goes to $OUT (or .out/) as gpu_tests_<group>.log; the script exits non-zero if any group fails.
-#   bash benchmarks/gpu_tests.sh [GROUP...]     (attention_kernel, kernels, engine, models; default all)
+#   bash benchmarks/gpu_tests.sh [GROUP...]     (attention_kernel, kernels, small_kernels, engine, models; default all)
 # The structured-output tests need xgrammar and jsonschema and the server tests fastapi and openai: carry their
 # wheels (../shared/device/gpu-wheels.sh jsonschema referencing rpds-py jsonschema-specifications attrs).
 set -uo pipefail
@@ -16,15 +16,17 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 k=tests/kernels
 groups=(
   "attention_kernel:$k/test_triton_paged_attention.py"
-  "kernels:$k/test_triton_fused_moe.py $k/test_triton_gemv.py $k/test_pdl.py $k/test_triton_qk_norm_rope.py $k/test_mla_decode.py $k/test_triton_small_kernels.py $k/test_triton_gumbel_sample.py $k/test_token_bitmask.py tests/attention tests/quantization"
+  "kernels:$k/test_triton_fused_moe.py $k/test_triton_gemv.py $k/test_pdl.py $k/test_mla_decode.py $k/test_triton_gumbel_sample.py $k/test_token_bitmask.py"
+  "small_kernels:$k/test_triton_qk_norm_rope.py $k/test_triton_small_kernels.py tests/attention tests/quantization"
   "engine:tests/engine tests/structured_output tests/sample tests/benchmarks tests/core tests/entrypoints tests/tools tests/test_demo_model.py"
   "models:tests/lora tests/models tests/spec_decode tests/distributed"
 )
 # Tests that size themselves from the GPU's free memory or allocate several GiB: run alone after the groups, since
-# the other groups' engines hold most of the card meanwhile (both failed side by side with them, and passed alone).
+# the other groups' engines hold most of the card meanwhile (each failed side by side with them, and passed alone).
 alone=(  # group:test
   "kernels:tests/kernels/test_triton_gumbel_sample.py::test_gumbel_batch_past_int32_elements_gpu"
   "engine:tests/engine/test_gpu_engine.py::test_gpu_memory_utilization_sizes_cache_from_profile"
+  "engine:tests/structured_output/test_structured_output.py::test_gpu_constrained_tokens_match_between_sync_and_async_with_cuda_graphs"
 )
 deselect=(); for t in "${alone[@]}"; do deselect+=(--deselect "${t#*:}"); done
 selected=()
