@@ -22,7 +22,7 @@ import triton.language as tl
 from pagedllm.kernels.pdl import pdl_launch_options, pdl_prologue
 from pagedllm.kernels.reshape_and_cache import KVCacheWrite, cache_token
 from pagedllm.kernels.rms_norm import rms_norm_ref
-from pagedllm.kernels.rotary import cache_launch_args, rotary_embedding_ref
+from pagedllm.kernels.rotary import cache_launch_args, cache_launch_options, rotary_embedding_ref
 from pagedllm.platform import use_pdl
 
 
@@ -172,9 +172,8 @@ def qk_norm_rope(
         num_heads, num_kv_heads, eps, *cache_launch_args(cache, query),
         HEAD_DIM=head_dim, HALF=half, HALF_PAD=triton.next_power_of_2(half),
         TAIL_PAD=triton.next_power_of_2(tail) if tail else 0, Q_HEADS_PAD=q_heads_pad, K_HEADS_PAD=k_heads_pad,
-        HEAD_DIM_POW2=triton.next_power_of_2(head_dim), BLOCK_SIZE=cache.kv_cache.shape[2] if cache else 1,
-        FP8=cache is not None and cache.kv_cache.dtype == torch.float8_e4m3fn, CACHE=cache is not None,
-        PDL=pdl, num_warps=min(max(tile // 512, 1), 8), **pdl_launch_options(pdl),
+        **cache_launch_options(cache, head_dim), PDL=pdl, num_warps=min(max(tile // 512, 1), 8),
+        **pdl_launch_options(pdl),
     )  # fmt: skip
 
 

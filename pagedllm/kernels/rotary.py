@@ -118,9 +118,8 @@ def rotary_embedding(
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), cos_cache.stride(0), sin_cache.stride(0),
         num_heads, key.shape[1], *cache_launch_args(cache, query),
         HALF=half, Q_HEADS_PAD=triton.next_power_of_2(num_heads), K_HEADS_PAD=triton.next_power_of_2(key.shape[1]),
-        HEAD_DIM_POW2=triton.next_power_of_2(head_dim), BLOCK_SIZE=cache.kv_cache.shape[2] if cache else 1,
-        FP8=cache is not None and cache.kv_cache.dtype == torch.float8_e4m3fn, CACHE=cache is not None,
-        PDL=pdl, num_warps=4 if heads_pad * half >= 1024 else 1, **pdl_launch_options(pdl),
+        **cache_launch_options(cache, head_dim), PDL=pdl, num_warps=4 if heads_pad * half >= 1024 else 1,
+        **pdl_launch_options(pdl),
     )  # fmt: skip
 
 
@@ -129,6 +128,16 @@ def cache_launch_args(cache: KVCacheWrite | None, dummy: torch.Tensor) -> tuple:
     if cache is not None:
         return cache.launch_args()
     return (dummy, dummy, dummy, 1.0, 1.0, 0, 0, 0, 0, 0, 0)
+
+
+def cache_launch_options(cache: KVCacheWrite | None, head_dim: int) -> dict:
+    """The CACHE constexprs of the RoPE kernels."""
+    return dict(
+        HEAD_DIM_POW2=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=cache.kv_cache.shape[2] if cache is not None else 1,
+        FP8=cache is not None and cache.kv_cache.dtype == torch.float8_e4m3fn,
+        CACHE=cache is not None,
+    )
 
 
 def rotary_embedding_ref(
