@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A/B of issue 9's throughput and latency rows on one machine: this tree ("new") against another checkout ("old", e.g.
-# `git archive HEAD~1 pagedllm | tar -x -C _ab_old`), alternating new, old, new, old... in one device call.
-#   OLD=_ab_old ROUNDS=2 OUT=DIR bash benchmarks/gpu_ab.sh [qwen-tp] [qwen-nano] [llama-tp] [qwen-lat] [llama-lat]
+# `git archive HEAD~1 pagedllm | tar -x -C _ab_old`), in one device call, the order rotating each round.
+#   OLD=_ab_old ROUNDS=2 [VARIANTS="name:VAR=value ..."] OUT=DIR bash benchmarks/gpu_ab.sh [qwen-tp] [qwen-nano] [llama-tp]
+#     [qwen-lat] [llama-lat]
 # Each row's log is $OUT/ab_<row>_<new|old>_<round>.log; the summary lines print as they come.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -19,12 +20,21 @@ declare -A spec=(
   [qwen-nano]="throughput --model $out/models/qwen3-0.6b --workload nanovllm --num-prompts 256"
   [llama-tp]="throughput --model $out/models/llama-3.1-8b --num-prompts 1000 --input-len 1024 --output-len 128"
 )
+# Sides: "new", "old", and each VARIANTS entry "name:VAR=value[,VAR=value...]" (this tree with those environment
+# variables, e.g. VARIANTS="nopdl:PAGEDLLM_PDL=0 nokv:PAGEDLLM_ROPE_WRITES_KV=0"). The order rotates by one side
+# each round, so no side always runs first (session 13 saw the side that ran first come out lower in every round).
+sides=(new old)
+declare -A side_env=()
+for v in ${VARIANTS:-}; do sides+=("${v%%:*}"); side_env[${v%%:*}]="${v#*:}"; done
 for round in $(seq "${ROUNDS:-2}"); do
+  shift_by=$(( (round - 1) % ${#sides[@]} ))
+  order=("${sides[@]:$shift_by}" "${sides[@]:0:$shift_by}")
   for row in "${ARGS[@]:-qwen-tp}"; do
-    for side in new old; do
-      dir=$PWD; [ $side = old ] && dir=$old_dir
+    for side in "${order[@]}"; do
+      dir=$PWD; [ "$side" = old ] && dir=$old_dir
+      envs=(); [ -n "${side_env[$side]:-}" ] && IFS=, read -ra envs <<< "${side_env[$side]}"
       echo "=== $row $side (round $round)"
-      (cd "$dir" && PYTHONPATH="$dir" $py -m pagedllm.benchmarks.${spec[$row]} $common ${EXTRA:-}) 2>&1 \
+      (cd "$dir" && env "${envs[@]}" PYTHONPATH="$dir" $py -m pagedllm.benchmarks.${spec[$row]} $common ${EXTRA:-}) 2>&1 \
         | tee "$out/ab_${row}_${side}_${round}.log" | grep -E "^(Throughput|Latency|Avg|Step profile|Batch limits)|Error|Traceback" | head -8
     done
   done
