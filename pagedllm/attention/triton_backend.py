@@ -1,7 +1,8 @@
 """Triton attention backend: write this step's keys/values into the paged cache, then paged attention.
 
-Two launches per layer (three when split-K kicks in for long decodes), no host syncs: everything the
-launchers size their grids from is a Python int already in :class:`AttentionMetadata`. See
+Two launches per layer (one when the RoPE kernel already wrote the cache: ``kv_written``, Attention.kv_write; split-K
+merges inside the attention kernel), no host syncs: everything the launchers size their grids from is a Python int
+already in :class:`AttentionMetadata`. See
 ``pagedllm/kernels/paged_attention.py`` for what the grid depends on (CUDA-graph capture).
 
 Mixed steps (prefill chunks and decodes together) whose batch starts with decodes, as the scheduler's order

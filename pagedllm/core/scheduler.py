@@ -357,31 +357,39 @@ class Scheduler:
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> EngineCoreOutputs:
         """Append sampled tokens, check stop conditions, cache newly computed blocks, free finished requests."""
         outputs: list[EngineCoreOutput] = []
+        # Looked up once: this loop runs for every scheduled request, every step.
+        requests, sampled = self.requests, result.sampled_token_ids
+        spec_tokens, prompt_logprobs, logprobs = (
+            sched.scheduled_spec_decode_tokens, result.prompt_logprobs, result.logprobs
+        )
+        cache_blocks, async_scheduling, running = self.kv.cache_blocks, self.async_scheduling, RequestStatus.RUNNING
+        no_tokens: list[int] = []
         for req_id in sched.num_scheduled_tokens:
-            request = self.requests.get(req_id)
+            request = requests.get(req_id)
             if request is None:
                 continue  # finished or aborted meanwhile: what this step computed for it is dropped
-            new_token_ids = result.sampled_token_ids.get(req_id, [])
-            is_running = request.status == RequestStatus.RUNNING
-            drafts = sched.scheduled_spec_decode_tokens.get(req_id)
-            if drafts and new_token_ids:
-                # Verification emitted the accepted drafts plus one token: the KV computed for the rejected
-                # drafts is dropped by counting them as not computed (their slots are rewritten next step).
-                num_accepted = len(new_token_ids) - 1
-                request.num_computed_tokens -= len(drafts) - num_accepted
-                self._count_spec(len(drafts), num_accepted)
+            new_token_ids = sampled.get(req_id, no_tokens)
+            is_running = request.status == running
+            if spec_tokens:
+                drafts = spec_tokens.get(req_id)
+                if drafts and new_token_ids:
+                    # Verification emitted the accepted drafts plus one token: the KV computed for the rejected
+                    # drafts is dropped by counting them as not computed (their slots are rewritten next step).
+                    num_accepted = len(new_token_ids) - 1
+                    request.num_computed_tokens -= len(drafts) - num_accepted
+                    self._count_spec(len(drafts), num_accepted)
             if is_running:
-                self.kv.cache_blocks(request)  # and frees the blocks its sliding windows left behind
+                cache_blocks(request)  # and frees the blocks its sliding windows left behind
             elif not new_token_ids:
                 continue
             # else: preempted after this (async) step was scheduled; the token it sampled is still valid.
-            if self.async_scheduling:
+            if async_scheduling:
                 request.num_output_placeholders -= len(new_token_ids)
-            prompt_lp = result.prompt_logprobs.get(req_id)
+            prompt_lp = prompt_logprobs.get(req_id) if prompt_logprobs else None
             if prompt_lp is not None:
                 first_pos = sched.num_computed_tokens[req_id] + 1
                 prompt_lp = self._new_prompt_logprob_rows(request, prompt_lp, first_pos)
-            new_logprobs = result.logprobs.get(req_id)
+            new_logprobs = logprobs.get(req_id) if logprobs else None
             for i, token_id in enumerate(new_token_ids):
                 request.append_output_token(token_id)
                 self.num_generation_tokens += 1
