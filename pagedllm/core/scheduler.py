@@ -198,6 +198,7 @@ class Scheduler:
         preempted = False
 
         # 1. Running requests, in admission order.
+        allocate_slots, drafting = self.kv.allocate_slots, bool(self.config.num_lookahead_tokens)
         visited: set[str] = set()
         i = 0
         while i < len(self.running) and budget > 0:
@@ -230,8 +231,8 @@ class Scheduler:
                     if num_drafts > 0:
                         spec_tokens[request.request_id] = drafts[:num_drafts]
                         num_new += num_drafts
-            lookahead = self._lookahead(request.num_computed_tokens + num_new, num_total)
-            while not self.kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead):
+            lookahead = self._lookahead(request.num_computed_tokens + num_new, num_total) if drafting else 0
+            while not allocate_slots(request, num_new, num_lookahead_tokens=lookahead):
                 preempted = True
                 i = 0  # the running list changed: rescan, skipping requests already visited
                 victim = self._preempt_one()
@@ -308,8 +309,9 @@ class Scheduler:
         new_ids = {r.request_id for r in new_reqs}
         new_data, cached_data = [], []
         num_computed_before: dict[str, int] = {}
+        requests, runner_num_blocks, num_blocks_of = self.requests, self._runner_num_blocks, self.kv.num_blocks_of
         for req_id, num_new in scheduled.items():
-            request = self.requests[req_id]
+            request = requests[req_id]
             if req_id in new_ids:
                 block_ids = self.kv.get_all_block_ids(req_id)
                 new_data.append(
@@ -325,12 +327,13 @@ class Scheduler:
                         lora_request=request.lora_request,
                     )
                 )
-            else:
-                known = self._runner_num_blocks.get(req_id, 0)
-                if self.kv.num_blocks_of(req_id) > known:  # most decode steps add no block: nothing to send
+            num_blocks = num_blocks_of(req_id)
+            if req_id not in new_ids:
+                known = runner_num_blocks.get(req_id, 0)
+                if num_blocks > known:  # most decode steps add no block: nothing to send
                     new_block_ids = self.kv.get_all_block_ids(req_id, known)
                     cached_data.append(CachedRequestData(req_id, new_block_ids, request.num_computed_tokens))
-            self._runner_num_blocks[req_id] = self.kv.num_blocks_of(req_id)
+            runner_num_blocks[req_id] = num_blocks
             num_computed_before[req_id] = request.num_computed_tokens
             request.num_computed_tokens += num_new
             if self.async_scheduling and request.num_computed_tokens == request.num_tokens_with_placeholders:
