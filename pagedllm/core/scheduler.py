@@ -366,12 +366,13 @@ class Scheduler:
             sched.scheduled_spec_decode_tokens, result.prompt_logprobs, result.logprobs
         )
         cache_blocks, async_scheduling, running = self.kv.cache_blocks, self.async_scheduling, RequestStatus.RUNNING
-        no_tokens: list[int] = []
         for req_id in sched.num_scheduled_tokens:
             request = requests.get(req_id)
             if request is None:
                 continue  # finished or aborted meanwhile: what this step computed for it is dropped
-            new_token_ids = sampled.get(req_id, no_tokens)
+            new_token_ids = sampled.get(req_id)
+            if new_token_ids is None:
+                new_token_ids = []  # its own list: the output below may carry it
             is_running = request.status == running
             if spec_tokens:
                 drafts = spec_tokens.get(req_id)

@@ -88,7 +88,6 @@ def one_row_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-
 def linear(
     x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None, bias: torch.Tensor | None = None
 ) -> torch.Tensor:  # [..., in] -> [..., out]

@@ -5,6 +5,7 @@ and then a Llama / Qwen3 attention block gives bit for bit what it gives with th
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from types import SimpleNamespace
 
 import pytest
@@ -31,6 +32,23 @@ def test_kv_write_only_on_the_fused_kernels_with_a_backend_that_accepts_it() -> 
     for backend in (TorchAttentionBackend(), _WritesOwnCache(), _AcceptsWrittenKV()):
         layer = Attention(4, 8, 8**-0.5, 2, backend, layer_idx=0)
         assert layer.kv_write(value, kv_cache, metadata) is None  # CPU tensors: the backend writes
+
+
+def test_rope_cache_write_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PAGEDLLM_ROPE_WRITES_KV=0 hands the cache write back to the backend even on the fused kernels."""
+    import pagedllm.layers.attention as attention_mod
+
+    _, _, value, kv_cache, metadata, _ = build_step(REQUESTS, 4, 4, 2)
+    layer = Attention(4, 8, 8**-0.5, 2, _AcceptsWrittenKV(), layer_idx=0)
+    monkeypatch.setattr(attention_mod, "use_fused_kernels", lambda x: True)  # as on a GPU
+    monkeypatch.setenv("PAGEDLLM_ROPE_WRITES_KV", "0")
+    assert layer.kv_write(value, kv_cache, metadata) is None
+    monkeypatch.delenv("PAGEDLLM_ROPE_WRITES_KV")
+    if importlib.util.find_spec("triton") is None:
+        return  # the write spec lives with the Triton kernels
+    write = layer.kv_write(value, kv_cache, metadata)
+    assert write is not None and write.value is value and write.kv_cache is kv_cache
+    assert write.slot_mapping is metadata.slot_mapping and (write.k_scale, write.v_scale) == (1.0, 1.0)
 
 
 def test_torch_rotary_refuses_a_cache_write() -> None:

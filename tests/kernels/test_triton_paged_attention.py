@@ -441,6 +441,7 @@ def check_split_merge_repeats(device: str) -> None:
         assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
+@pytest.mark.gpu  # (runs on CPU too, but CI has no Triton; the GPU suite runs it)
 def test_split_counters_are_not_made_while_capturing(monkeypatch):
     """A counter buffer made inside a CUDA graph capture would stay unfilled until the first replay: refused."""
     from pagedllm.kernels import paged_attention as pa
