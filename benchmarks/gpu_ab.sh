@@ -2,7 +2,7 @@
 # A/B of issue 9's throughput and latency rows on one machine: this tree ("new") against another checkout ("old", e.g.
 # `git archive HEAD~1 pagedllm | tar -x -C _ab_old`), in one device call, the order rotating each round.
 #   OLD=_ab_old ROUNDS=2 [VARIANTS="name:VAR=value ..."] OUT=DIR bash benchmarks/gpu_ab.sh [qwen-tp] [qwen-nano] [llama-tp]
-#     [qwen-lat] [llama-lat]
+#     [qwen-lat] [llama-lat]   (more sides: VARIANTS="name:VAR=value ..." and CHECKOUTS="name:dir ...", below)
 # Each row's log is $OUT/ab_<row>_<new|old>_<round>.log; the summary lines print as they come.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,14 +24,16 @@ declare -A spec=(
 # variables, e.g. VARIANTS="nopdl:PAGEDLLM_PDL=0 nokv:PAGEDLLM_ROPE_WRITES_KV=0"). The order rotates by one side
 # each round, so no side always runs first (session 13 saw the side that ran first come out lower in every round).
 sides=(new old)
-declare -A side_env=()
-for v in ${VARIANTS:-}; do sides+=("${v%%:*}"); side_env[${v%%:*}]="${v#*:}"; done
+declare -A side_env=() side_dir=([new]=$PWD [old]=$old_dir)
+for v in ${VARIANTS:-}; do sides+=("${v%%:*}"); side_env[${v%%:*}]="${v#*:}"; side_dir[${v%%:*}]=$PWD; done
+# More checkouts as sides: CHECKOUTS="name:dir ..." (e.g. HEAD with one file reverted, to bisect a change).
+for c in ${CHECKOUTS:-}; do sides+=("${c%%:*}"); side_dir[${c%%:*}]=$(cd "${c#*:}" && pwd); done
 for round in $(seq "${ROUNDS:-2}"); do
   shift_by=$(( (round - 1) % ${#sides[@]} ))
   order=("${sides[@]:$shift_by}" "${sides[@]:0:$shift_by}")
   for row in "${ARGS[@]:-qwen-tp}"; do
     for side in "${order[@]}"; do
-      dir=$PWD; [ "$side" = old ] && dir=$old_dir
+      dir=${side_dir[$side]}
       envs=(); [ -n "${side_env[$side]:-}" ] && IFS=, read -ra envs <<< "${side_env[$side]}"
       echo "=== $row $side (round $round)"
       (cd "$dir" && env "${envs[@]}" PYTHONPATH="$dir" $py -m pagedllm.benchmarks.${spec[$row]} $common ${EXTRA:-}) 2>&1 \
