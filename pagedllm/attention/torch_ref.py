@@ -340,6 +340,7 @@ class TorchAttentionBackend:
         k_scale: float = 1.0,
         v_scale: float = 1.0,
         sinks: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,  # [T, num_heads, head_dim]: where to write (else a new tensor)
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         num_tokens = key.shape[0]
         write = metadata.derived(
@@ -354,6 +355,7 @@ class TorchAttentionBackend:
                 block_size, num_kv_heads, sliding_window,
             ),
         )  # fmt: skip
-        return _paged_attention(
+        result = _paged_attention(
             query, kv_cache[0], kv_cache[1], plan, scale, logits_soft_cap, k_scale, v_scale, sinks
         )  # fmt: skip
+        return result if out is None else out.copy_(result)

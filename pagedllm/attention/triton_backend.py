@@ -41,6 +41,7 @@ class TritonAttentionBackend:
         v_scale: float = 1.0,
         sinks: torch.Tensor | None = None,  # [num_heads]
         kv_written: bool = False,  # this step's keys and values are already in kv_cache
+        out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]: where to write (else a new tensor)
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; padding rows (past metadata.num_tokens) zero
         if not kv_written:
             reshape_and_cache(key, value, kv_cache, metadata.slot_mapping, k_scale, v_scale)
@@ -67,11 +68,12 @@ class TritonAttentionBackend:
                 metadata.num_reqs,
                 metadata.max_query_len,
                 metadata.max_seq_len,
+                out=out,
                 **options,
             )
         else:
             d = split.d
-            out = torch.empty_like(query)
+            out = torch.empty_like(query) if out is None else out
             paged_attention(
                 query[:d],
                 kv_cache,

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -13,6 +15,23 @@ from pagedllm.platform import use_fused_kernels
 
 if TYPE_CHECKING:
     from pagedllm.kernels.reshape_and_cache import KVCacheWrite
+
+
+# Set while a piecewise CUDA graph capture runs (worker/piecewise_graphs.py): Attention.forward hands its inputs to
+# its split() instead of attending.
+_splitter: Any = None
+
+
+@contextlib.contextmanager
+def split_at_attention(splitter: Any) -> Iterator[None]:
+    """Within this block every ``Attention.forward`` returns ``splitter.split(layer, query, key, value, kv_cache,
+    kv_written)`` (a static output buffer) instead of attending: the piecewise graphs' capture ends a piece there."""
+    global _splitter
+    _splitter = splitter
+    try:
+        yield
+    finally:
+        _splitter = None
 
 
 class Attention(nn.Module):
@@ -88,11 +107,16 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         attn_metadata: AttentionMetadata,
         kv_written: bool = False,  # the caller wrote key/value into kv_cache already (through kv_write())
+        out: torch.Tensor | None = None,  # [T, num_heads, head_dim]: write the result here (piecewise graphs)
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        # sinks and kv_written only when set: a backend that does not know them still serves every other model
+        if _splitter is not None:
+            return _splitter.split(self, query, key, value, kv_cache, kv_written)
+        # sinks, kv_written and out only when set: a backend that does not know them still serves every other model
         options = {} if self.sinks is None else {"sinks": self.sinks}
         if kv_written:
             options["kv_written"] = True
+        if out is not None:
+            options["out"] = out
         return self.attn_backend.forward(
             query,
             key,

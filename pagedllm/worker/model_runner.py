@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import operator
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,7 @@ from pagedllm.sample.metadata import build_plain_sampling_metadata, build_sampli
 from pagedllm.sample.sampler import LogprobsTensors, Sampler, compute_logprobs_topk
 from pagedllm.worker.cuda_graphs import CudaGraphRunner
 from pagedllm.worker.input_batch import InputBatch
+from pagedllm.worker.piecewise_graphs import PiecewiseGraphRunner, piecewise_sizes
 from pagedllm.worker.spec_step import collect_spec, sample_spec
 
 logger = logging.getLogger(__name__)
@@ -103,6 +105,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         self.graph_runner: CudaGraphRunner | None = None
+        self.piecewise: PiecewiseGraphRunner | None = None  # the other steps, up to 16k tokens
         self._last_step: StepInFlight | None = None  # the latest step with sampled tokens
         self._next_step_id = 0
         # EAGLE drafts read each step's hidden states (StepInFlight.draft_hidden); such steps run eagerly.
@@ -315,7 +318,26 @@ class ModelRunner:
             # rows: LoRAMapping.update writes -1 past the step's tokens) have slot -1 and add nothing.
             self.lora_manager.set_mapping([], [], force_apply=True)
         self.graph_runner.capture()
+        self._maybe_capture_piecewise(mla)
         self._warm_up_eager_steps()
+
+    def _maybe_capture_piecewise(self, mla: bool) -> None:
+        """Piecewise graphs (worker/piecewise_graphs.py) for the steps the decode graphs do not take, on one GPU
+        without LoRA or pipeline stages (neither has been validated with them), unless ``PAGEDLLM_PIECEWISE=0``
+        (a switch for A/B runs). MLA plans attention on the host: it stays eager."""
+        if mla or self.lora_manager is not None or self.pp is not None or self.tp_size > 1:
+            return
+        if os.environ.get("PAGEDLLM_PIECEWISE", "1") == "0":
+            return
+        sizes = piecewise_sizes(self.max_num_tokens)
+        if not sizes:
+            return
+        torch.cuda.empty_cache()  # the memory profile's cached activations go back: the graph pool is private
+        runner = PiecewiseGraphRunner(
+            self.model, self.kv_caches, sizes, self.device, self.kv_layout.num_groups
+        )
+        if runner.capture(len(self._attention_layers())):
+            self.piecewise = runner
 
     @torch.inference_mode()
     def _warm_up_eager_steps(self) -> None:
@@ -490,10 +512,16 @@ class ModelRunner:
                 input_ids, positions, slot_mapping, seq_lens, block_table, input_patch, cu
             )
         else:
+            size = None if self.piecewise is None else self.piecewise.padded_size(num_tokens)
             qsl_cpu = torch.from_numpy(cu.astype(np.int32))
             seq_lens_cpu = torch.from_numpy(seq_lens)
             tables = torch.from_numpy(np.ascontiguousarray(block_table)).to(dev, non_blocking=True)
-            slots = torch.from_numpy(slot_mapping).to(dev, non_blocking=True)
+            if size is None:
+                input_ids_dev = torch.from_numpy(input_ids).to(dev, non_blocking=True)
+                positions_dev = torch.from_numpy(positions).to(dev, non_blocking=True)
+                slots = torch.from_numpy(slot_mapping).to(dev, non_blocking=True)
+            else:  # the piecewise graphs' static inputs, padded to `size` rows
+                input_ids_dev, positions_dev, slots = self.piecewise.stage(input_ids, positions, slot_mapping, size)
             meta = AttentionMetadata(
                 num_reqs=n,
                 num_tokens=num_tokens,
@@ -508,15 +536,15 @@ class ModelRunner:
                 is_pure_decode=is_pure_decode,
                 kv_group_tables=tuple(zip(tables[1:], slots[1:])),
             )
-            input_ids_dev = torch.from_numpy(input_ids).to(dev, non_blocking=True)
             if input_patch is not None:
                 dst, src, values = input_patch
                 input_ids_dev[dst] = values[src]
-            # [num_tokens, hidden_size], or (that, aux hidden states) for an EAGLE-3 draft; None on a pipeline
-            # stage before the last
-            hidden = self._forward(
-                input_ids_dev, torch.from_numpy(positions).to(dev, non_blocking=True), self.kv_caches, meta
-            )
+            if size is not None:
+                hidden = self.piecewise.replay(size, meta)[:num_tokens]
+            else:
+                # [num_tokens, hidden_size], or (that, aux hidden states) for an EAGLE-3 draft; None on a pipeline
+                # stage before the last
+                hidden = self._forward(input_ids_dev, positions_dev, self.kv_caches, meta)
         if isinstance(hidden, tuple):
             hidden, step.draft_hidden = hidden
         elif self.keep_hidden:

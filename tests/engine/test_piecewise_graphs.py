@@ -1,0 +1,223 @@
+"""Piecewise CUDA graphs (worker/piecewise_graphs.py): the capture's bookkeeping on CPU with a stand-in graph
+type, and on the GPU the engine's greedy outputs with them against eager mode."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.layers.attention import Attention
+from pagedllm.worker.piecewise_graphs import PiecewiseGraphRunner, piecewise_sizes
+
+
+def test_sizes_cover_every_step_up_to_the_cap():
+    sizes = piecewise_sizes(16384)
+    assert sizes[0] == 16 and sizes[-1] == 16384
+    assert sizes == sorted(set(sizes)) and all(s % 16 == 0 for s in sizes)
+    assert 1024 in sizes and 4096 in sizes and 5120 in sizes
+    assert piecewise_sizes(8192)[-1] == 8192
+    assert piecewise_sizes(100) == [16, 32, 64, 100]  # the budget itself is the last size
+    assert piecewise_sizes(65536)[-1] == 16384  # larger steps stay eager
+
+
+class _Log:
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+
+
+def _graph_cls(log: _Log):
+    class FakeGraph:
+        """Stands in for torch.cuda.CUDAGraph: records when pieces begin, end and replay."""
+
+        count = 0
+
+        def __init__(self) -> None:
+            self.id = FakeGraph.count
+            FakeGraph.count += 1
+
+        def capture_begin(self, pool=None) -> None:
+            log.events.append(("begin", self.id))
+
+        def capture_end(self) -> None:
+            log.events.append(("end", self.id))
+
+        def replay(self) -> None:
+            log.events.append(("replay", self.id))
+
+    return FakeGraph
+
+
+@pytest.fixture
+def cpu_runner(tiny_llama):
+    llm = LLM(tiny_llama, dtype="float32", device="cpu", num_gpu_blocks_override=16, block_size=4, max_model_len=64)
+    return llm.llm_engine.engine_core.runner
+
+
+def _attention_layers(model) -> list[Attention]:
+    return [m for m in model.modules() if isinstance(m, Attention)]
+
+
+def test_capture_splits_the_forward_at_each_attention(cpu_runner):
+    log = _Log()
+    layers = _attention_layers(cpu_runner.model)
+    pw = PiecewiseGraphRunner(
+        cpu_runner.model, cpu_runner.kv_caches, [16, 32], torch.device("cpu"), graph_cls=_graph_cls(log)
+    )
+    assert pw.capture(len(layers))
+    assert pw.padded_size(1) == 16 and pw.padded_size(17) == 32 and pw.padded_size(32) == 32
+    assert pw.padded_size(33) is None
+    for size in (16, 32):
+        pieces = pw.pieces[size]
+        assert len(pieces.graphs) == len(layers) + 1
+        assert [c.layer for c in pieces.calls] == layers  # in layer order, each once
+        for c in pieces.calls:
+            assert c.query.shape[0] == c.key.shape[0] == c.value.shape[0] == size
+            assert c.out.shape == c.query.shape
+        # One static output buffer for every layer and size.
+        assert len({c.out.data_ptr() for c in pieces.calls}) == 1
+        assert pieces.output.shape[0] == size
+    # Each piece is captured whole before the next begins; largest size first.
+    begins_ends = [e for e in log.events if e[0] in ("begin", "end")]
+    assert [kind for kind, _ in begins_ends] == ["begin", "end"] * (2 * (len(layers) + 1))
+    assert pw.pieces[32].graphs[0].id < pw.pieces[16].graphs[0].id
+
+
+def test_replay_alternates_pieces_and_eager_attention(cpu_runner, monkeypatch):
+    log = _Log()
+    layers = _attention_layers(cpu_runner.model)
+    pw = PiecewiseGraphRunner(
+        cpu_runner.model, cpu_runner.kv_caches, [16], torch.device("cpu"), graph_cls=_graph_cls(log)
+    )
+    assert pw.capture(len(layers))
+    seen = []
+
+    def fake_forward(self, query, key, value, kv_cache, metadata, kv_written=False, out=None):
+        seen.append((self.layer_idx, metadata, out.data_ptr()))
+        return out
+
+    monkeypatch.setattr(Attention, "forward", fake_forward)
+    log.events.clear()
+    meta = object()
+    hidden = pw.replay(16, meta)
+    graph_ids = [g.id for g in pw.pieces[16].graphs]
+    assert [e for e in log.events] == [("replay", i) for i in graph_ids]
+    assert [s[0] for s in seen] == [layer.layer_idx for layer in layers]
+    assert all(s[1] is meta for s in seen)  # the step's real metadata, not the capture's
+    assert hidden.shape[0] == 16 and pw.num_replays == {16: 1}
+
+
+def test_capture_refuses_a_model_whose_attention_bypasses_the_layer(cpu_runner):
+    """A forward with fewer Attention calls than attention layers (attention baked into a piece with the
+    capture's metadata) leaves the runner without graphs."""
+    layers = _attention_layers(cpu_runner.model)
+    pw = PiecewiseGraphRunner(
+        cpu_runner.model, cpu_runner.kv_caches, [16], torch.device("cpu"), graph_cls=_graph_cls(_Log())
+    )
+    assert not pw.capture(len(layers) + 1)
+    assert pw.pieces == {} and pw.padded_size(16) is None
+
+
+def test_stage_pads_the_static_inputs(cpu_runner):
+    pw = PiecewiseGraphRunner(cpu_runner.model, cpu_runner.kv_caches, [16, 32], torch.device("cpu"), 2)
+    ids, pos, slots = pw.stage(
+        np.arange(1, 6, dtype=np.int64), np.arange(10, 15, dtype=np.int64), np.full((2, 5), 7, np.int64), 16
+    )
+    assert ids.shape == (16,) and pos.shape == (16,) and slots.shape == (2, 16)
+    assert ids.tolist() == [1, 2, 3, 4, 5] + [0] * 11
+    assert pos.tolist() == [10, 11, 12, 13, 14] + [0] * 11
+    assert slots.tolist() == [[7] * 5 + [-1] * 11] * 2  # padding rows write no keys
+    # A later, shorter step over the same buffers leaves no stale rows inside its size.
+    ids, _, slots = pw.stage(np.array([9], np.int64), np.array([3], np.int64), np.array([[4], [4]], np.int64), 16)
+    assert ids.tolist() == [9] + [0] * 15 and slots[0].tolist() == [4] + [-1] * 15
+
+
+def test_attention_writes_into_a_given_output(cpu_runner):
+    """``out=``: the torch backend (and the Triton one, on the GPU) writes the result where the piecewise graphs
+    read it."""
+    layer = _attention_layers(cpu_runner.model)[0]
+    kv_cache = cpu_runner.kv_caches[0]
+    from pagedllm.attention.base import AttentionMetadata
+
+    n, h, kvh, d = 3, layer.num_heads, layer.num_kv_heads, layer.head_dim
+    meta = AttentionMetadata(
+        num_reqs=1,
+        num_tokens=n,
+        max_query_len=n,
+        max_seq_len=n,
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        seq_lens=torch.tensor([n], dtype=torch.int32),
+        block_table=torch.tensor([[1]], dtype=torch.int32),
+        slot_mapping=torch.tensor([4, 5, 6]),
+        query_start_loc_cpu=torch.tensor([0, n], dtype=torch.int32),
+        seq_lens_cpu=torch.tensor([n], dtype=torch.int32),
+    )
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n, x, d, generator=g) for x in (h, kvh, kvh))
+    expected = layer(q, k, v, kv_cache, meta)
+    out = torch.full((n, h, d), float("nan"))
+    result = layer(q, k, v, kv_cache, meta, out=out)
+    assert result.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------------- GPU
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    """Lengths from 3 to 300 (chunked at a 256-token budget), four sharing a 96-token prefix (prefix hits)."""
+    rng = random.Random(1)
+    prefix = [rng.randrange(3, vocab) for _ in range(96)]
+    prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in (3, 40, 300, 17, 129, 64, 250, 5, 90, 33)]
+    prompts += [prefix + [rng.randrange(3, vocab) for _ in range(n)] for n in (1, 20, 70, 150)]
+    return prompts
+
+
+def _run(path: str, eager: bool, **kw) -> tuple[list[list[int]], dict[int, int], int]:
+    llm = LLM(
+        path,
+        dtype="float32",
+        device="cuda",
+        max_model_len=512,
+        enforce_eager=eager,
+        max_num_seqs=8,  # requests join as others finish
+        max_num_batched_tokens=256,  # chunked prefill: mixed steps
+        **{"kv_cache_memory_bytes": 64 * 2**20, **kw},
+    )
+    runner = llm.llm_engine.engine_core.runner
+    assert (runner.piecewise is None) == eager
+    prompts = _prompts(llm.llm_engine.engine_core.vocab_size)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outs = []
+    for _ in range(2):  # the second pass hits the prefix cache
+        gen = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outs += [o.outputs[0].token_ids for o in gen]
+    replays = {} if eager else dict(runner.piecewise.num_replays)
+    preemptions = llm.llm_engine.get_stats().num_preemptions
+    llm.llm_engine.check_integrity()
+    del llm
+    torch.cuda.empty_cache()
+    return outs, replays, preemptions
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", "mistral"])
+def test_piecewise_graphs_match_eager(tiny_model_dirs, arch):
+    """Mixed steps (chunks and decodes), requests joining midway, prefix hits, sliding windows and a hybrid
+    cache (gemma3): token for token the eager engine's output."""
+    eager, _, _ = _run(tiny_model_dirs[arch], eager=True)
+    graphs, replays, _ = _run(tiny_model_dirs[arch], eager=False)
+    assert sum(replays.values()) > 0 and max(replays) > 16
+    assert graphs == eager
+
+
+@pytest.mark.gpu
+def test_piecewise_graphs_match_eager_under_preemption(tiny_model_dirs, admit_while_blocks_last):
+    kw = {"kv_cache_memory_bytes": None, "num_gpu_blocks_override": 40, "block_size": 16}  # 640 tokens
+    eager, _, _ = _run(tiny_model_dirs["llama"], eager=True, **kw)
+    graphs, replays, preemptions = _run(tiny_model_dirs["llama"], eager=False, **kw)
+    assert sum(replays.values()) > 0 and preemptions > 0
+    assert graphs == eager
