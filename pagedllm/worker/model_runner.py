@@ -232,6 +232,7 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         free_before, total = torch.cuda.mem_get_info(self.device)
+        allocated_before = torch.cuda.memory_allocated(self.device)  # the weights, mostly
         num_tokens = self.max_num_tokens
         n_blocks = _cdiv(num_tokens, self.block_size)
         caches = [
@@ -264,6 +265,10 @@ class ModelRunner:
         available = budget - peak - max(non_torch, 0) + cache_scratch
         # Headroom for CUDA graphs and allocator fragmentation.
         available -= 512 * 1024**2
+        if self._piecewise_wanted() and num_tokens > piecewise_sizes(num_tokens)[-1]:
+            # Steps above the largest piecewise size run eagerly, in the allocator's memory, while the graph
+            # pool keeps the largest size's activations: reserve those too (activations scale with tokens).
+            available -= (peak - allocated_before) * piecewise_sizes(num_tokens)[-1] / num_tokens
         torch.cuda.empty_cache()
         logger.info(
             "memory profile: peak %.2f GiB, non-torch %.2f GiB, budget %.2f GiB, KV cache %.2f GiB",
@@ -290,17 +295,35 @@ class ModelRunner:
             "KV cache dtype %s%s", self.kv_cache_dtype, kv_scales_summary(self.model, self.kv_cache_dtype)
         )
 
-    def maybe_capture_cuda_graphs(self) -> None:
-        """Capture decode graphs unless eager mode was asked for or the backend cannot be captured."""
-        if (
+    def _graphs_wanted(self) -> bool:
+        """Decode graphs: unless eager mode was asked for or the backend cannot be captured."""
+        return not (
             self.config.enforce_eager
             or self.keep_hidden
             or self.device.type != "cuda"
             or self.attn_backend.name != "triton"
-        ):
+        )
+
+    def _is_mla(self) -> bool:
+        return getattr(self.config.model_config.hf_config, "kv_lora_rank", None) is not None
+
+    def _piecewise_wanted(self) -> bool:
+        """Piecewise graphs (worker/piecewise_graphs.py) for the steps the decode graphs do not take: where decode
+        graphs are, on one GPU without LoRA or pipeline stages (neither is validated with them yet), unless
+        ``PAGEDLLM_PIECEWISE=0`` (a switch for A/B runs). MLA plans attention on the host: it stays eager."""
+        if not self._graphs_wanted() or self._is_mla():
+            return False
+        if self.lora_manager is not None or self.pp is not None or self.tp_size > 1:
+            return False
+        return os.environ.get("PAGEDLLM_PIECEWISE", "1") != "0"
+
+    def maybe_capture_cuda_graphs(self) -> None:
+        """Capture decode graphs unless eager mode was asked for or the backend cannot be captured; then the
+        piecewise graphs where :meth:`_piecewise_wanted`."""
+        if not self._graphs_wanted():
             return
         # MLA plans its multi-token steps on the host (meta.*_cpu): those stay eager.
-        mla = getattr(self.config.model_config.hf_config, "kv_lora_rank", None) is not None
+        mla = self._is_mla()
         query_len = 1 if mla else self.graph_query_len
         self.graph_runner = CudaGraphRunner(
             self.model,
@@ -318,21 +341,17 @@ class ModelRunner:
             # rows: LoRAMapping.update writes -1 past the step's tokens) have slot -1 and add nothing.
             self.lora_manager.set_mapping([], [], force_apply=True)
         self.graph_runner.capture()
-        self._maybe_capture_piecewise(mla)
+        if self._piecewise_wanted():
+            self._capture_piecewise()
         self._warm_up_eager_steps()
 
-    def _maybe_capture_piecewise(self, mla: bool) -> None:
-        """Piecewise graphs (worker/piecewise_graphs.py) for the steps the decode graphs do not take, on one GPU
-        without LoRA or pipeline stages (neither has been validated with them), unless ``PAGEDLLM_PIECEWISE=0``
-        (a switch for A/B runs). MLA plans attention on the host: it stays eager."""
-        if mla or self.lora_manager is not None or self.pp is not None or self.tp_size > 1:
-            return
-        if os.environ.get("PAGEDLLM_PIECEWISE", "1") == "0":
-            return
+    def _capture_piecewise(self) -> None:
         sizes = piecewise_sizes(self.max_num_tokens)
         if not sizes:
             return
-        torch.cuda.empty_cache()  # the memory profile's cached activations go back: the graph pool is private
+        # The memory profile's cached activations go back to the device: the graph pool is private and takes its
+        # own (the profile reserved them; see _profile_cuda_num_blocks for steps above the largest size).
+        torch.cuda.empty_cache()
         runner = PiecewiseGraphRunner(
             self.model, self.kv_caches, sizes, self.device, self.kv_layout.num_groups
         )

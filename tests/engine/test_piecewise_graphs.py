@@ -164,6 +164,31 @@ def test_attention_writes_into_a_given_output(cpu_runner):
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
+def test_piecewise_is_wanted_only_where_validated(cpu_runner, monkeypatch):
+    """On a (pretend) CUDA device with the Triton backend: on by default; off with PAGEDLLM_PIECEWISE=0, eager
+    mode, tensor parallelism, LoRA or an MLA model."""
+    from types import SimpleNamespace
+
+    assert not cpu_runner._piecewise_wanted()  # CPU
+    monkeypatch.setattr(cpu_runner, "device", torch.device("cuda"))
+    monkeypatch.setattr(cpu_runner, "attn_backend", SimpleNamespace(name="triton"))
+    assert cpu_runner._piecewise_wanted()
+    monkeypatch.setenv("PAGEDLLM_PIECEWISE", "0")
+    assert not cpu_runner._piecewise_wanted()
+    monkeypatch.delenv("PAGEDLLM_PIECEWISE")
+    for attr, value in (("tp_size", 2), ("lora_manager", object()), ("keep_hidden", True)):
+        with monkeypatch.context() as m:
+            m.setattr(cpu_runner, attr, value)
+            assert not cpu_runner._piecewise_wanted(), attr
+    with monkeypatch.context() as m:
+        m.setattr(cpu_runner.config, "enforce_eager", True)
+        assert not cpu_runner._piecewise_wanted()
+    with monkeypatch.context() as m:
+        m.setattr(cpu_runner.config.model_config.hf_config, "kv_lora_rank", 64, raising=False)
+        assert not cpu_runner._piecewise_wanted()
+    assert cpu_runner._piecewise_wanted()
+
+
 # ---------------------------------------------------------------------------------------------------- GPU
 
 
