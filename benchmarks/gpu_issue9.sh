@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Issue 9's device call: every table row (pagedllm and the transformers baselines), the start-up and serve rows,
 # and step profiles of the throughput rows. Run it twice in one device session for the two measurements.
-#   bash benchmarks/gpu_issue9.sh [profile]
+#   [NO_HF=1] bash benchmarks/gpu_issue9.sh [profile]
+# NO_HF=1 skips the transformers rows (a second run). The last lines are a summary of every row, so that the figures
+# survive a device call's output tail (the serve row alone prints ~40 lines).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-.out}"; mkdir -p "$out"
@@ -12,7 +14,8 @@ if [ -d .whl ] && ! $py -c "import fastapi, uvicorn" 2>/dev/null; then
   $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="/tmp/site:$PYTHONPATH"
 fi
-bash benchmarks/gpu_suite.sh qwen-latency qwen-nano qwen-throughput llama-latency llama-throughput hf startup serve
+hf=hf; [ "${NO_HF:-0}" = 1 ] && hf=
+bash benchmarks/gpu_suite.sh qwen-latency qwen-nano qwen-throughput llama-latency llama-throughput $hf startup serve
 if [ "${1:-}" = profile ]; then
   $py -m pagedllm.benchmarks.shapes "$out/models" >/dev/null
   common="--load-format dummy --max-model-len 4096 --gpu-memory-utilization 0.9"
@@ -22,3 +25,14 @@ if [ "${1:-}" = profile ]; then
     $py -m pagedllm.benchmarks.throughput --model "$out/models/$m" $common "$@" --profile-steps 2>&1 | grep -E "^(Throughput|Step profile)"
   done
 fi
+# What the API process's imports cost on this host (the start-up row's largest part): the 12 slowest, cumulative µs.
+$py -X importtime -c "import pagedllm.entrypoints.openai.api_server" 2> "$out/importtime.txt"
+echo "=== imports of the API process (cumulative µs)"; sort -t'|' -k2 -n "$out/importtime.txt" | tail -12
+echo "=== summary"
+for f in "$out"/bench_*.log; do
+  line=$(grep -hE "^(Throughput|Latency) \(" "$f" | head -1 | cut -c1-170)
+  [ -n "$line" ] && echo "$(basename "$f" .log): $line"
+done
+grep -hs "^Start-up:" "$out/bench_llama_startup.log"
+grep -hsE "^(Request throughput|Output token throughput|Median TTFT|P99 TTFT|Mean TPOT|Median TPOT|P99 TPOT)" \
+  "$out/bench_qwen_serve.log"
