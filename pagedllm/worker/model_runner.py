@@ -309,11 +309,15 @@ class ModelRunner:
 
     def _piecewise_wanted(self) -> bool:
         """Piecewise graphs (worker/piecewise_graphs.py) for the steps the decode graphs do not take: where decode
-        graphs are, on one GPU without LoRA or pipeline stages (neither is validated with them yet), unless
-        ``PAGEDLLM_PIECEWISE=0`` (a switch for A/B runs). MLA plans attention on the host: it stays eager."""
+        graphs are, without LoRA or pipeline stages (neither is validated with them yet), unless
+        ``PAGEDLLM_PIECEWISE=0`` (a switch for A/B runs). Under tensor parallelism only with
+        ``PAGEDLLM_TP_PIECEWISE=1`` until a multi-GPU run validates it (tests/distributed/test_tp_gpu.py). MLA
+        plans attention on the host: it stays eager."""
         if not self._graphs_wanted() or self._is_mla():
             return False
-        if self.lora_manager is not None or self.pp is not None or self.tp_size > 1:
+        if self.lora_manager is not None or self.pp is not None:
+            return False
+        if self.tp_size > 1 and os.environ.get("PAGEDLLM_TP_PIECEWISE", "0") != "1":
             return False
         return os.environ.get("PAGEDLLM_PIECEWISE", "1") != "0"
 

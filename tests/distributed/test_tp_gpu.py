@@ -4,6 +4,7 @@ same. Skipped with fewer than two GPUs."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -23,6 +24,8 @@ def _run(path: str, prompts: list[list[int]], **kw) -> tuple[list[list[int]], li
     assert llm.llm_engine.config.scheduler_config.async_scheduling  # the default on CUDA, under TP too
     try:
         graphs = getattr(core.runner, "graph_runner", None) is not None
+        if os.environ.get("PAGEDLLM_TP_PIECEWISE") == "1":
+            assert getattr(core.runner, "piecewise", None) is not None
         params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         core.check_integrity()
@@ -52,3 +55,17 @@ def test_tp2_cuda_graphs_match_tp1(tiny_model_dirs, arch):
     assert graphs1 and graphs2 and not graphs2e
     _assert_close(ids2, lps2, ids1, lps1)
     _assert_close(ids2e, lps2e, ids2, lps2)
+
+
+def test_tp2_piecewise_graphs_match_eager(tiny_model_dirs, monkeypatch):
+    """Mixed steps (a 64-token budget chunks the prompts) replay piecewise graphs on both ranks, the all-reduces
+    captured inside the pieces (opt-in under TP: PAGEDLLM_TP_PIECEWISE=1): eager TP=2's tokens."""
+    path = tiny_model_dirs["llama"]
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (3, 140, 17, 90, 5, 64, 1, 200)]
+    kw = {"tensor_parallel_size": 2, "max_num_batched_tokens": 64}
+    ids_e, lps_e, _ = _run(path, prompts, enforce_eager=True, **kw)
+    monkeypatch.setenv("PAGEDLLM_TP_PIECEWISE", "1")
+    ids_p, lps_p, graphs = _run(path, prompts, **kw)
+    assert graphs
+    _assert_close(ids_p, lps_p, ids_e, lps_e)

@@ -166,7 +166,7 @@ def test_attention_writes_into_a_given_output(cpu_runner):
 
 def test_piecewise_is_wanted_only_where_validated(cpu_runner, monkeypatch):
     """On a (pretend) CUDA device with the Triton backend: on by default; off with PAGEDLLM_PIECEWISE=0, eager
-    mode, tensor parallelism, LoRA or an MLA model."""
+    mode, LoRA, an EAGLE draft or an MLA model; under tensor parallelism only with PAGEDLLM_TP_PIECEWISE=1."""
     from types import SimpleNamespace
 
     assert not cpu_runner._piecewise_wanted()  # CPU
@@ -180,6 +180,10 @@ def test_piecewise_is_wanted_only_where_validated(cpu_runner, monkeypatch):
         with monkeypatch.context() as m:
             m.setattr(cpu_runner, attr, value)
             assert not cpu_runner._piecewise_wanted(), attr
+    with monkeypatch.context() as m:  # tensor parallelism: opt-in until a multi-GPU run validates it
+        m.setattr(cpu_runner, "tp_size", 2)
+        m.setenv("PAGEDLLM_TP_PIECEWISE", "1")
+        assert cpu_runner._piecewise_wanted()
     with monkeypatch.context() as m:
         m.setattr(cpu_runner.config, "enforce_eager", True)
         assert not cpu_runner._piecewise_wanted()
