@@ -201,7 +201,15 @@ def run_engine_core(
     # Ctrl-C in a terminal reaches the whole process group: the API process decides when the core stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s [engine core] %(message)s")
-    logger.info("engine core process started (pid %d)", os.getpid())
+    if _imports_done_at is not None:  # a pre-spawned interpreter: how long it waited for its arguments
+        waited = time.time() - _imports_done_at
+        logger.info(
+            "engine core process started (pid %d; its imports were done %.2f s before its arguments came)",
+            os.getpid(),
+            waited,
+        )
+    else:
+        logger.info("engine core process started (pid %d)", os.getpid())
     ctx = zmq.Context()
     in_sock = ctx.socket(zmq.PULL)
     in_sock.setsockopt(zmq.RCVHWM, 0)
@@ -307,6 +315,9 @@ class CoreProcess:
             self.sentinel = -1
 
 
+_imports_done_at: float | None = None  # set in a pre-spawned core interpreter once its imports are done
+
+
 def _child_main() -> None:
     """Entry point of the engine core interpreter: import the engine, then read the arguments from stdin (they
     may come seconds later: see core_launch.py), then run the core."""
@@ -316,6 +327,8 @@ def _child_main() -> None:
     import pagedllm.model_loader  # noqa: F401
     import pagedllm.models.registry  # noqa: F401
 
+    global _imports_done_at
+    _imports_done_at = time.time()  # the start-up log says how long the core then waited for the parent
     try:
         args = pickle.load(sys.stdin.buffer)
     except EOFError:
