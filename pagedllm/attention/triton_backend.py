@@ -41,8 +41,15 @@ class TritonAttentionBackend:
         v_scale: float = 1.0,
         sinks: torch.Tensor | None = None,  # [num_heads]
         kv_written: bool = False,  # this step's keys and values are already in kv_cache
-        out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]: where to write (else a new tensor)
+        out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]: write here (else a new tensor)
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; padding rows (past metadata.num_tokens) zero
+        full_out = None
+        n = metadata.num_tokens
+        if query.shape[0] > n:
+            # Padded rows (piecewise graphs): attend over the real rows only, with the grid an eager step of these
+            # requests gets (same tiles, same split-K choice, same results); the padding rows come out zero.
+            full_out = torch.empty_like(query) if out is None else out
+            query, key, value, out = query[:n], key[:n], value[:n], full_out[:n]
         if not kv_written:
             reshape_and_cache(key, value, kv_cache, metadata.slot_mapping, k_scale, v_scale)
         options = dict(
@@ -100,6 +107,7 @@ class TritonAttentionBackend:
                 out=out[d:],
                 **options,
             )
-        if query.shape[0] > metadata.num_tokens:
-            out[metadata.num_tokens :].zero_()  # the kernel leaves padding rows unwritten
+        if full_out is not None:
+            full_out[n:].zero_()
+            return full_out
         return out

@@ -194,7 +194,8 @@ def _worker_main(
                 getattr(runner, method)(*args)
     finally:
         if runner.device.type == "cuda":
-            runner.graph_runner = None
+            # NCCL's teardown waits for every CUDA graph that holds its kernels.
+            runner.graph_runner = runner.piecewise = None
             torch.cuda.synchronize(runner.device)
         dist.destroy_process_group()
 
@@ -512,7 +513,7 @@ class MultiprocRunner:
             cuda = self.runner.device.type == "cuda"
             if not cuda or self._launcher.alive():
                 if cuda:
-                    self.runner.graph_runner = None
+                    self.runner.graph_runner = self.runner.piecewise = None  # see the worker's teardown
                     torch.cuda.synchronize(self.runner.device)
                 dist.destroy_process_group()
             else:

@@ -98,6 +98,8 @@ class DraftModelProposer:
         self.runner.init_kv_cache(num_blocks)
         # Catch-up passes compute the tokens the target kept (at most k + 1 a request): graphed like verification.
         self.runner.graph_query_len = self.k + 1
+        # No piecewise graphs: the target's memory profile has no room for a second graph pool.
+        self.runner.allow_piecewise = False
         self.runner.maybe_capture_cuda_graphs()
         self.kv = kv
 

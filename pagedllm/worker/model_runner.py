@@ -106,6 +106,7 @@ class ModelRunner:
         self.num_blocks = 0
         self.graph_runner: CudaGraphRunner | None = None
         self.piecewise: PiecewiseGraphRunner | None = None  # the other steps, up to 16k tokens
+        self.allow_piecewise = True  # a draft model's runner sets False (see _piecewise_wanted)
         self._last_step: StepInFlight | None = None  # the latest step with sampled tokens
         self._next_step_id = 0
         # EAGLE drafts read each step's hidden states (StepInFlight.draft_hidden); such steps run eagerly.
@@ -247,6 +248,8 @@ class ModelRunner:
         block_table = torch.arange(n_blocks, dtype=torch.int32).repeat(num_reqs, 1) % n_blocks
         meta = self._unwritten_metadata(q_lens, q_lens, block_table.to(self.device), kv_groups=1)
         hidden = self._forward(input_ids, positions, caches, meta, communicate=False)
+        forward_peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)  # from here: the logits' and the sampler's peak
         spec = self.config.speculative_config
         logits_per_req = 1 if spec is None else 1 + spec.num_speculative_tokens  # verification: k + 1 rows
         n_logits = min(self.max_num_reqs * logits_per_req, num_tokens)
@@ -258,17 +261,17 @@ class ModelRunner:
         cache_scratch = sum(c.numel() * c.element_size() for c in caches)  # one tensor per layer here
         del hidden, logits, probs, caches
         torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
+        logits_peak = torch.cuda.max_memory_allocated(self.device)
+        peak = max(forward_peak, logits_peak)
         # Memory others (and the CUDA context) hold is outside torch's counters: count it as used.
         non_torch = total - free_before - torch.cuda.memory_allocated(self.device)
         budget = total * self.config.cache_config.gpu_memory_utilization
         available = budget - peak - max(non_torch, 0) + cache_scratch
         # Headroom for CUDA graphs and allocator fragmentation.
         available -= 512 * 1024**2
-        if self._piecewise_wanted() and num_tokens > piecewise_sizes(num_tokens)[-1]:
-            # Steps above the largest piecewise size run eagerly, in the allocator's memory, while the graph
-            # pool keeps the largest size's activations: reserve those too (activations scale with tokens).
-            available -= (peak - allocated_before) * piecewise_sizes(num_tokens)[-1] / num_tokens
+        if self._piecewise_wanted():
+            above = allocated_before + cache_scratch  # the weights and the profile's scratch cache
+            available -= self._piecewise_reserve(forward_peak - above, logits_peak - above)
         torch.cuda.empty_cache()
         logger.info(
             "memory profile: peak %.2f GiB, non-torch %.2f GiB, budget %.2f GiB, KV cache %.2f GiB",
@@ -278,6 +281,25 @@ class ModelRunner:
             max(available, 0) / 2**30,
         )
         return int(max(available, 0) // block_bytes)
+
+    def _piecewise_reserve(self, forward_bytes: int, logits_bytes: int) -> float:
+        """Memory the piecewise graphs need beyond the profile's peak, ``max(forward, logits)`` (each measured
+        above the weights, for a step of ``max_num_tokens``). Their pool keeps the largest size's activations for
+        good, beside what the allocator serves the logits and sampler (and eager steps above that size, when the
+        budget is larger): the activations of ``top`` tokens (scaled from the profile), less what the profile's
+        peak already holds, plus the static attention output buffer."""
+        num_tokens = self.max_num_tokens
+        sizes = piecewise_sizes(num_tokens)
+        if not sizes:
+            return 0.0
+        top = sizes[-1]
+        if num_tokens > top:  # eager steps up to num_tokens still need the profiled forward memory
+            pool = forward_bytes * top / num_tokens
+        else:  # the pool holds the forward's activations; the allocator's peak is the logits'
+            pool = min(forward_bytes, logits_bytes)
+        layers = self._attention_layers()
+        out_row = max((a.num_heads * a.head_dim for a in layers), default=0) * self.dtype.itemsize
+        return max(pool, 0) + top * out_row
 
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``num_blocks`` blocks: one cache tensor per slot of ``kv_layout`` (per layer, unless hybrid);
@@ -313,7 +335,7 @@ class ModelRunner:
         ``PAGEDLLM_PIECEWISE=0`` (a switch for A/B runs). Under tensor parallelism only with
         ``PAGEDLLM_TP_PIECEWISE=1`` until a multi-GPU run validates it (tests/distributed/test_tp_gpu.py). MLA
         plans attention on the host: it stays eager."""
-        if not self._graphs_wanted() or self._is_mla():
+        if not self.allow_piecewise or not self._graphs_wanted() or self._is_mla():
             return False
         if self.lora_manager is not None or self.pp is not None:
             return False
@@ -544,7 +566,8 @@ class ModelRunner:
                 positions_dev = torch.from_numpy(positions).to(dev, non_blocking=True)
                 slots = torch.from_numpy(slot_mapping).to(dev, non_blocking=True)
             else:  # the piecewise graphs' static inputs, padded to `size` rows
-                input_ids_dev, positions_dev, slots = self.piecewise.stage(input_ids, positions, slot_mapping, size)
+                staged = self.piecewise.stage(input_ids, positions, slot_mapping, size)
+                input_ids_dev, positions_dev, slots = staged
             meta = AttentionMetadata(
                 num_reqs=n,
                 num_tokens=num_tokens,

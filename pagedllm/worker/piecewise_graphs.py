@@ -56,7 +56,9 @@ def piecewise_sizes(max_num_tokens: int) -> list[int]:
     """The padded token counts captured: powers of two from 16 to 1024, then every 512 to 4096, then every 1024,
     up to ``min(max_num_tokens, 16384)``, which is always one of them (so every step up to it has a size)."""
     top = min(max_num_tokens, _MAX_PIECEWISE_TOKENS)
-    sizes = [16, 32, 64, 128, 256, 512, 1024] + list(range(1536, 4097, 512)) + list(range(5120, top + 1, 1024))
+    sizes = (
+        [16, 32, 64, 128, 256, 512, 1024] + list(range(1536, 4097, 512)) + list(range(5120, top + 1, 1024))
+    )
     sizes = [s for s in sizes if s < top]
     return sizes + [top] if top >= 1 else []
 
@@ -65,7 +67,9 @@ def _unowned_view(t: torch.Tensor) -> torch.Tensor:
     """A view of ``t``'s memory that does not keep it allocated (the graph pool may hand it out again)."""
     storage = t.untyped_storage()
     unowned = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), t.device, storage.nbytes())
-    return torch.empty(0, dtype=t.dtype, device=t.device).set_(unowned, t.storage_offset(), t.size(), t.stride())
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+        unowned, t.storage_offset(), t.size(), t.stride()
+    )
 
 
 @dataclass
@@ -105,6 +109,15 @@ class _Capture:
         self._graph.capture_end()
         self.pieces.graphs.append(self._graph)
         self._graph = None
+
+    def abandon(self) -> None:
+        """After a failure mid-capture: end the open capture if there is one (its graph is dropped)."""
+        graph, self._graph = self._graph, None
+        if graph is not None:
+            try:
+                graph.capture_end()
+            except Exception:  # the capture was invalidated; ending it is all that was needed
+                pass
 
     def split(
         self,
@@ -152,6 +165,10 @@ class PiecewiseGraphRunner:
         self.slot_mapping.fill_(-1)
         pin = device.type == "cuda"
         self.host_i64 = [torch.zeros((2 + g) * t, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        # Recorded after each twin's copy; a twin is refilled only once its last copy ran. (The decode runner can
+        # rely on sampled ids being read back every step; a prefill-only step samples nothing, so here nothing
+        # else keeps the host from running two steps ahead of the stream.)
+        self._copied: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
         self._attention_out: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
         self.pieces: dict[int, _Pieces] = {}
@@ -197,9 +214,22 @@ class PiecewiseGraphRunner:
 
     @torch.inference_mode()
     def capture(self, num_attention_layers: int) -> bool:
-        """Capture every size, largest first. False (and nothing kept) when a forward did not make exactly
-        ``num_attention_layers`` attention calls: some attention does not go through ``Attention`` and would be
-        baked into a piece with the capture's metadata."""
+        """Capture every size, largest first. False (and nothing kept: those steps stay eager) when the model has
+        no attention layer, when a forward did not make exactly ``num_attention_layers`` attention calls (some
+        attention does not go through ``Attention`` and would be baked into a piece with the capture's metadata),
+        or when a capture failed (logged)."""
+        if num_attention_layers < 1:
+            return False
+        try:
+            return self._capture(num_attention_layers)
+        except Exception:  # e.g. an op that cannot be captured: those steps stay eager
+            logger.exception("piecewise CUDA graphs off: the capture failed")
+            self.pieces.clear()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            return False
+
+    def _capture(self, num_attention_layers: int) -> bool:
         start = time.perf_counter()
         cuda = self.device.type == "cuda"
         pool = torch.cuda.graph_pool_handle() if cuda else None
@@ -218,11 +248,18 @@ class PiecewiseGraphRunner:
                     self.forward(*args)
                 if cuda:
                     torch.cuda.synchronize(self.device)
+                    # The warm-up's activations, cached by the allocator, go back to the device before the
+                    # private pool takes its own (as torch.cuda.graph does before a capture).
+                    torch.cuda.empty_cache()
                 capture = _Capture(self, pool)
-                with split_at_attention(capture):
-                    capture.begin()
-                    hidden = self.forward(*args)
-                    capture.end()
+                try:
+                    with split_at_attention(capture):
+                        capture.begin()
+                        hidden = self.forward(*args)
+                        capture.end()
+                except BaseException:
+                    capture.abandon()
+                    raise
             if len(capture.pieces.calls) != num_attention_layers:
                 logger.warning(
                     "piecewise CUDA graphs off: a forward made %d Attention calls, the model has %d attention layers",
@@ -255,8 +292,11 @@ class PiecewiseGraphRunner:
         """Copy a step's inputs into the static buffers, padded to ``size`` rows; returns the device views
         ``(input_ids [size], positions [size], slot_mapping [groups, size])`` the step's metadata must use."""
         n, t = input_ids.shape[0], self.max_tokens
-        host = self.host_i64[self._turn]
+        turn = self._turn
         self._turn ^= 1
+        host = self.host_i64[turn]
+        if self._copied[turn] is not None:
+            self._copied[turn].synchronize()  # its previous copy to the device has run (rarely waits)
         h = host.numpy()
         h[:n] = input_ids
         h[n:size] = 0
@@ -266,6 +306,10 @@ class PiecewiseGraphRunner:
         slots[:, :n] = slot_mapping
         slots[:, n:size] = -1  # padding rows write no keys
         self.dev_i64.copy_(host, non_blocking=True)
+        if self.device.type == "cuda":
+            event = self._copied[turn] or torch.cuda.Event()
+            event.record()
+            self._copied[turn] = event
         return self.input_ids[:size], self.positions[:size], self.slot_mapping[:, :size]
 
     def replay(self, size: int, metadata: AttentionMetadata) -> torch.Tensor:
@@ -276,9 +320,14 @@ class PiecewiseGraphRunner:
         for i, call in enumerate(pieces.calls):
             graphs[i].replay()
             call.layer.forward(
-                call.query, call.key, call.value, call.kv_cache, metadata, kv_written=call.kv_written, out=call.out
+                call.query,
+                call.key,
+                call.value,
+                call.kv_cache,
+                metadata,
+                kv_written=call.kv_written,
+                out=call.out,
             )
         graphs[-1].replay()
         self.num_replays[size] = self.num_replays.get(size, 0) + 1
         return pieces.output
-

@@ -53,7 +53,9 @@ def _graph_cls(log: _Log):
 
 @pytest.fixture
 def cpu_runner(tiny_llama):
-    llm = LLM(tiny_llama, dtype="float32", device="cpu", num_gpu_blocks_override=16, block_size=4, max_model_len=64)
+    llm = LLM(
+        tiny_llama, dtype="float32", device="cpu", num_gpu_blocks_override=16, block_size=4, max_model_len=64
+    )
     return llm.llm_engine.engine_core.runner
 
 
@@ -96,7 +98,7 @@ def test_replay_alternates_pieces_and_eager_attention(cpu_runner, monkeypatch):
     seen = []
 
     def fake_forward(self, query, key, value, kv_cache, metadata, kv_written=False, out=None):
-        seen.append((self.layer_idx, metadata, out.data_ptr()))
+        seen.append((self.layer_idx, metadata, out.data_ptr(), kv_written))
         return out
 
     monkeypatch.setattr(Attention, "forward", fake_forward)
@@ -107,6 +109,8 @@ def test_replay_alternates_pieces_and_eager_attention(cpu_runner, monkeypatch):
     assert [e for e in log.events] == [("replay", i) for i in graph_ids]
     assert [s[0] for s in seen] == [layer.layer_idx for layer in layers]
     assert all(s[1] is meta for s in seen)  # the step's real metadata, not the capture's
+    # Each layer writes the static buffer the next piece reads.
+    assert [s[2] for s in seen] == [c.out.data_ptr() for c in pw.pieces[16].calls]
     assert hidden.shape[0] == 16 and pw.num_replays == {16: 1}
 
 
@@ -121,6 +125,29 @@ def test_capture_refuses_a_model_whose_attention_bypasses_the_layer(cpu_runner):
     assert pw.pieces == {} and pw.padded_size(16) is None
 
 
+def test_capture_failure_leaves_steps_eager(cpu_runner):
+    """A piece that cannot be captured (here: the third capture_end raises) ends the open capture, keeps no
+    graph, and the runner reports no size: the engine runs those steps eagerly instead of failing to start."""
+    log = _Log()
+    base = _graph_cls(log)
+    ends = []
+
+    class FailingGraph(base):
+        def capture_end(self) -> None:
+            ends.append(self.id)
+            if len(ends) == 3:
+                raise RuntimeError("operation not permitted when stream is capturing")
+            super().capture_end()
+
+    layers = _attention_layers(cpu_runner.model)
+    pw = PiecewiseGraphRunner(
+        cpu_runner.model, cpu_runner.kv_caches, [16], torch.device("cpu"), graph_cls=FailingGraph
+    )
+    assert not pw.capture(len(layers))
+    assert pw.pieces == {} and pw.padded_size(16) is None
+    assert not pw.capture(0)  # no attention layer: nothing to split at
+
+
 def test_stage_pads_the_static_inputs(cpu_runner):
     pw = PiecewiseGraphRunner(cpu_runner.model, cpu_runner.kv_caches, [16, 32], torch.device("cpu"), 2)
     ids, pos, slots = pw.stage(
@@ -131,7 +158,9 @@ def test_stage_pads_the_static_inputs(cpu_runner):
     assert pos.tolist() == [10, 11, 12, 13, 14] + [0] * 11
     assert slots.tolist() == [[7] * 5 + [-1] * 11] * 2  # padding rows write no keys
     # A later, shorter step over the same buffers leaves no stale rows inside its size.
-    ids, _, slots = pw.stage(np.array([9], np.int64), np.array([3], np.int64), np.array([[4], [4]], np.int64), 16)
+    ids, _, slots = pw.stage(
+        np.array([9], np.int64), np.array([3], np.int64), np.array([[4], [4]], np.int64), 16
+    )
     assert ids.tolist() == [9] + [0] * 15 and slots[0].tolist() == [4] + [-1] * 15
 
 
@@ -169,6 +198,8 @@ def test_piecewise_is_wanted_only_where_validated(cpu_runner, monkeypatch):
     mode, LoRA, an EAGLE draft or an MLA model; under tensor parallelism only with PAGEDLLM_TP_PIECEWISE=1."""
     from types import SimpleNamespace
 
+    monkeypatch.delenv("PAGEDLLM_PIECEWISE", raising=False)
+    monkeypatch.delenv("PAGEDLLM_TP_PIECEWISE", raising=False)
     assert not cpu_runner._piecewise_wanted()  # CPU
     monkeypatch.setattr(cpu_runner, "device", torch.device("cuda"))
     monkeypatch.setattr(cpu_runner, "attn_backend", SimpleNamespace(name="triton"))
@@ -176,7 +207,12 @@ def test_piecewise_is_wanted_only_where_validated(cpu_runner, monkeypatch):
     monkeypatch.setenv("PAGEDLLM_PIECEWISE", "0")
     assert not cpu_runner._piecewise_wanted()
     monkeypatch.delenv("PAGEDLLM_PIECEWISE")
-    for attr, value in (("tp_size", 2), ("lora_manager", object()), ("keep_hidden", True)):
+    for attr, value in (
+        ("tp_size", 2),
+        ("lora_manager", object()),
+        ("keep_hidden", True),
+        ("allow_piecewise", False),
+    ):
         with monkeypatch.context() as m:
             m.setattr(cpu_runner, attr, value)
             assert not cpu_runner._piecewise_wanted(), attr
@@ -193,7 +229,40 @@ def test_piecewise_is_wanted_only_where_validated(cpu_runner, monkeypatch):
     assert cpu_runner._piecewise_wanted()
 
 
+def test_profile_reserves_the_graph_pool(cpu_runner, monkeypatch):
+    """The pool keeps the largest size's activations beside the allocator's logits peak: within a 16k budget the
+    smaller of the two profiled peaks (the larger is in the profile already), above it the activations scaled to
+    16k tokens; plus the static attention output rows."""
+    layers = _attention_layers(cpu_runner.model)
+    row = layers[0].num_heads * layers[0].head_dim * cpu_runner.dtype.itemsize
+    monkeypatch.setattr(cpu_runner, "max_num_tokens", 8192)
+    assert cpu_runner._piecewise_reserve(3000, 5000) == 3000 + 8192 * row
+    assert cpu_runner._piecewise_reserve(7000, 5000) == 5000 + 8192 * row
+    monkeypatch.setattr(cpu_runner, "max_num_tokens", 32768)
+    assert cpu_runner._piecewise_reserve(8000, 100) == 4000 + 16384 * row
+
+
 # ---------------------------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+def test_stage_waits_for_the_twins_last_copy():
+    """A prefill-only step samples nothing, so nothing else holds the host back: a twin is refilled only once
+    its previous copy has run. Stage A behind a long GPU sleep, then B and C (C reuses A's twin): the device
+    buffer as the stream saw it right after A's copy holds A."""
+    dev = torch.device("cuda")
+    pw = PiecewiseGraphRunner(lambda *a: None, [], [16], dev)
+    snapshot = torch.empty(16, dtype=torch.long, device=dev)
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time: the copies below queue behind it
+    slots = np.full((1, 16), -1, np.int64)
+    zeros = np.zeros(16, np.int64)
+    pw.stage(np.arange(16, dtype=np.int64), zeros, slots, 16)  # A
+    snapshot.copy_(pw.input_ids[:16])
+    pw.stage(np.full(16, 7, np.int64), zeros, slots, 16)  # B
+    pw.stage(np.full(16, 9, np.int64), zeros, slots, 16)  # C: A's twin
+    torch.cuda.synchronize()
+    assert snapshot.tolist() == list(range(16))
+    assert pw.input_ids[:16].tolist() == [9] * 16
 
 
 def _prompts(vocab: int) -> list[list[int]]:
@@ -233,10 +302,14 @@ def _run(path: str, eager: bool, **kw) -> tuple[list[list[int]], dict[int, int],
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", "mistral"])
-def test_piecewise_graphs_match_eager(tiny_model_dirs, arch):
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", "mistral", "qwen3-backend-writes-kv"])
+def test_piecewise_graphs_match_eager(tiny_model_dirs, arch, monkeypatch):
     """Mixed steps (chunks and decodes), requests joining midway, prefix hits, sliding windows and a hybrid
-    cache (gemma3): token for token the eager engine's output."""
+    cache (gemma3), and the backend writing the cache instead of the RoPE kernel: token for token the eager
+    engine's output."""
+    if arch == "qwen3-backend-writes-kv":
+        monkeypatch.setenv("PAGEDLLM_ROPE_WRITES_KV", "0")
+        arch = "qwen3"
     eager, _, _ = _run(tiny_model_dirs[arch], eager=True)
     graphs, replays, _ = _run(tiny_model_dirs[arch], eager=False)
     assert sum(replays.values()) > 0 and max(replays) > 16
