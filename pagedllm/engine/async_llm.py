@@ -70,7 +70,10 @@ class AsyncLLM:
         stat_loggers: list[StatLogger] | None = None,
         core_cls_path: str = DEFAULT_ENGINE_CORE,
         startup_timeout_s: float | None = None,
+        while_starting: Callable[[], None] | None = None,
     ) -> None:
+        """``while_starting``: more work to run while the engine core process starts (after the tokenizer loads),
+        e.g. the server's own imports."""
         self.config = config
         self.model_config = config.model_config
         self.log_requests = log_requests
@@ -89,6 +92,8 @@ class AsyncLLM:
             )
             self.input_processor = InputProcessor(self.model_config, self.tokenizer)
             self.output_processor = OutputProcessor(self.tokenizer)
+            if while_starting is not None:
+                while_starting()
 
         client_cls = EngineCoreClient
         if config.data_parallel_size > 1:

@@ -15,7 +15,7 @@ from typing import Any
 
 # name -> (module, one-line help); the module has add_cli_args(parser) and main(args) -> int.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("pagedllm.entrypoints.openai.api_server", "run the OpenAI-compatible HTTP server"),
+    "serve": ("pagedllm.entrypoints.openai.serve_cli", "run the OpenAI-compatible HTTP server"),
     "generate": ("pagedllm.entrypoints.generate", "generate text for prompts, offline"),
     "chat": (__name__ + ":chat", "chat with a model in the terminal"),
 }

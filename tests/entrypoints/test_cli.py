@@ -145,7 +145,7 @@ def test_serve_builds_its_engine_with_the_server_batch_defaults(tiny_llama, monk
 
     import torch
 
-    from pagedllm.entrypoints.openai import api_server
+    from pagedllm.entrypoints.openai import serve_cli
 
     served = {}
 
@@ -157,12 +157,12 @@ def test_serve_builds_its_engine_with_the_server_batch_defaults(tiny_llama, monk
         def close(self) -> None:
             pass
 
-    monkeypatch.setattr(api_server, "_serve", fake_serve)
-    monkeypatch.setattr(api_server, "_bind", lambda host, port: FakeSocket())
+    monkeypatch.setattr(serve_cli, "_serve", fake_serve)
+    monkeypatch.setattr(serve_cli, "_bind", lambda host, port: FakeSocket())
     monkeypatch.setattr(signal, "signal", lambda *a: None)  # main installs a SIGTERM handler
     parser = argparse.ArgumentParser()
-    api_server.add_cli_args(parser)
-    assert api_server.main(parser.parse_args([tiny_llama])) == 0
+    serve_cli.add_cli_args(parser)
+    assert serve_cli.main(parser.parse_args([tiny_llama])) == 0
     sched = served["config"].scheduler_config
     assert sched.usage_context == "api_server"
     assert (sched.max_num_batched_tokens, sched.max_num_seqs) == (None, None)  # resolved where the device is known

@@ -4,8 +4,9 @@ Endpoints: /v1/models, /v1/completions, /v1/chat/completions, /tokenize, /detoke
 /metrics, and /debug/integrity with ``--enable-debug-endpoints``. Everything but /health, /version and /metrics
 needs the API key when one is set (compared in constant time). Request bodies are bounded (``--max-request-body-bytes``) before any parsing.
 
-Life cycle: the port is bound first (a busy port fails fast), then the engine core process starts (model load,
-KV cache sizing), then uvicorn serves. SIGTERM: stop accepting, let in-flight requests finish for up to
+Life cycle (``serve_cli``, the command's light entry point): the port is bound first (a busy port fails fast), then
+the engine core process starts (model load, KV cache sizing) while this module and uvicorn are imported, then uvicorn
+serves (:func:`run_server`). SIGTERM: stop accepting, let in-flight requests finish for up to
 ``--shutdown-timeout`` seconds (then abort them), stop the engine, exit 0. If the engine core process dies, in-flight
 requests end with an error at once, /health answers 503, and the server exits with status 1 shortly after,
 so a supervisor restarts it.
@@ -18,8 +19,6 @@ import asyncio
 import hashlib
 import hmac
 import logging
-import os
-import signal
 import socket
 from typing import Any
 
@@ -31,7 +30,6 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedllm import __version__
-from pagedllm.engine.arg_utils import add_engine_args, engine_kwargs_from_args, resolve_model_arg
 from pagedllm.engine.core_process import EngineDeadError
 from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request, error_json_bytes, error_response
 from pagedllm.entrypoints.openai.protocol import (
@@ -40,18 +38,19 @@ from pagedllm.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from pagedllm.entrypoints.openai.serve_cli import (  # noqa: F401 (the CLI's names, re-exported)
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    add_cli_args,
+    load_chat_template,
+    main,
+)
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_engine import parse_body, to_openai_error
-from pagedllm.entrypoints.openai.serving_models import (
-    OpenAIServingModels,
-    parse_lora_modules,
-    runtime_lora_updating_from_env,
-)
+from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels, runtime_lora_updating_from_env
 
 logger = logging.getLogger("pagedllm.server")
 
-DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
 # After the engine dies, keep answering (503s) this long before exiting, so health checks see it.
 ENGINE_DEAD_LINGER_S = 2.0
 # Paths that never need the API key.
@@ -373,166 +372,24 @@ def _install_openapi_schemas(app: FastAPI, models: list[type]) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-# --------------------------------------------------------------------------------------------- the CLI
+# ------------------------------------------------------------------------------------- serving
 
 
-def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    add_engine_args(parser, model_positional=True)
-    group = parser.add_argument_group("server")
-    group.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server)")
-    group.add_argument("--port", type=int, default=8000)
-    group.add_argument("--api-key", default=None, help="require this key (default: env PAGEDLLM_API_KEY)")
-    group.add_argument("--served-model-name", nargs="+", default=None, help="model name(s) clients use")
-    group.add_argument(
-        "--chat-template", default=None, help="a Jinja chat template: a file path or the template"
-    )
-    group.add_argument("--disable-log-requests", action="store_true")
-    group.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput / spec-decode log")
-    group.add_argument(
-        "--uvicorn-log-level",
-        default="info",
-        choices=["critical", "error", "warning", "info", "debug", "trace"],
-    )
-    group.add_argument(
-        "--max-logprobs", type=int, default=20, help="largest logprobs / top_logprobs accepted"
-    )
-    group.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES)
-    group.add_argument(
-        "--enable-auto-tool-choice",
-        action="store_true",
-        help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser',
-    )
-    group.add_argument(
-        "--tool-call-parser",
-        default=None,
-        choices=["hermes", "llama3_json", "mistral", "pythonic"],
-        help="the format the model writes tool calls in (Qwen2.5/Qwen3/Hermes: hermes)",
-    )
-    group.add_argument(
-        "--enable-debug-endpoints",
-        action="store_true",
-        help="serve GET /debug/integrity (the engine's integrity check and request tables; for tests)",
-    )
-    group.add_argument(
-        "--lora-modules",
-        nargs="+",
-        default=None,
-        help="LoRA adapters to serve (needs --enable-lora): name=path, or JSON with name and path; a "
-        "request's model field selects one by name",
-    )
-    group.add_argument(
-        "--allow-runtime-lora-updating",
-        action="store_true",
-        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also: env "
-        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)",
-    )
-    group.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=30.0,
-        help="on SIGTERM, seconds in-flight requests may take to finish before they are aborted",
-    )
-
-
-def load_chat_template(value: str | None) -> str | None:
-    """``--chat-template``: a path to a file holding the template, or the template itself."""
-    if value is None:
-        return None
-    if os.path.isfile(value):
-        with open(value, encoding="utf-8") as f:
-            return f.read()
-    if "{" not in value:
-        raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
-    return value
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    sock.set_inheritable(False)
-    return sock
-
-
-def _raise_system_exit(signum: int, frame: Any) -> None:
-    # Outside uvicorn's own handling (during start-up, and when uvicorn re-raises SIGTERM after its graceful
-    # shutdown) SIGTERM ends the process with status 0; `finally` blocks stop the engine core.
-    raise SystemExit(0)
-
-
-def main(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    logger.info("pagedllm serve: arguments parsed, modules imported")
-    api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
-    try:
-        model = resolve_model_arg(args)
-        served_model_names = list(args.served_model_name or [model])
-        chat_template = load_chat_template(args.chat_template)
-        if args.max_logprobs < 0:
-            raise ValueError(f"--max-logprobs must be >= 0, got {args.max_logprobs}")
-        if args.enable_auto_tool_choice and not args.tool_call_parser:
-            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
-        args.lora_modules = parse_lora_modules(args.lora_modules)
-        if args.lora_modules and not args.enable_lora:
-            raise ValueError("--lora-modules needs --enable-lora")
-        if args.max_request_body_bytes < 1024:
-            raise ValueError(
-                f"--max-request-body-bytes must be at least 1024, got {args.max_request_body_bytes}"
-            )
-        kwargs = engine_kwargs_from_args(args)
-        kwargs["served_model_name"] = served_model_names[0]
-        from pagedllm.config import make_engine_config
-
-        config = make_engine_config(model, **kwargs, usage_context="api_server")
-        config.model_config.max_logprobs = args.max_logprobs  # read by the InputProcessor
-    except ValueError as e:
-        print(f"pagedllm serve: error: {e}", flush=True)
-        return 2
-    try:
-        sock = _bind(args.host, args.port)
-    except OSError as e:
-        print(f"pagedllm serve: error: cannot listen on {args.host}:{args.port}: {e}", flush=True)
-        return 1
-    signal.signal(signal.SIGTERM, _raise_system_exit)
-    try:
-        return asyncio.run(
-            _serve(
-                args,
-                config,
-                sock,
-                served_model_names=served_model_names,
-                api_key=api_key,
-                chat_template=chat_template,
-            )
-        )
-    except KeyboardInterrupt:
-        return 0
-    except (ValueError, RuntimeError) as e:  # the engine failed to start
-        print(f"pagedllm serve: error: {e}", flush=True)
-        return 1
-    finally:
-        sock.close()
-
-
-async def _serve(
+async def run_server(
+    engine: Any,
     args: argparse.Namespace,
     config: Any,
     sock: socket.socket,
     *,
+    metrics: Any,
     served_model_names: list[str],
     api_key: str | None,
     chat_template: str | None,
 ) -> int:
+    """Serve ``engine`` (an ``AsyncLLM``, started by ``serve_cli``) on the bound ``sock`` until shutdown; the exit
+    status. The caller shuts the engine down."""
     import uvicorn
 
-    from pagedllm.engine.async_llm import AsyncLLM
-    from pagedllm.metrics import LoggingStatLogger, PrometheusStatLogger
-
-    metrics = PrometheusStatLogger(served_model_names[0])
-    stat_loggers = [metrics.record] + ([] if args.disable_log_stats else [LoggingStatLogger()])
-    engine = AsyncLLM(config, log_requests=not args.disable_log_requests, stat_loggers=stat_loggers)
     watchdog = None
     try:
         models = OpenAIServingModels(engine, served_model_names)
@@ -595,4 +452,3 @@ async def _serve(
     finally:
         if watchdog is not None:
             watchdog.cancel()
-        engine.shutdown()

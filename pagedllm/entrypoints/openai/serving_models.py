@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import os
 from typing import Any
 
 from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request
 from pagedllm.entrypoints.openai.protocol import ModelCard, ModelList
+from pagedllm.entrypoints.openai.serve_cli import parse_lora_modules  # noqa: F401 (its home is the CLI)
 from pagedllm.lora.request import LoRARequest
 
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
@@ -25,28 +25,6 @@ RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 def runtime_lora_updating_from_env() -> bool:
     return os.environ.get(RUNTIME_LORA_ENV, "").strip().lower() in ("1", "true", "yes")
-
-
-def parse_lora_modules(values: list[str] | None) -> list[tuple[str, str]]:
-    """``--lora-modules``: ``name=path`` items, or JSON objects ``{"name": ..., "path": ...}`` (vLLM's forms)."""
-    out: list[tuple[str, str]] = []
-    for value in values or []:
-        if value.lstrip().startswith("{"):
-            try:
-                obj = json.loads(value)
-                name, path = obj["name"], obj["path"]
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(
-                    f"--lora-modules: {value!r} is not a JSON object with name and path ({e})"
-                ) from None
-        else:
-            name, sep, path = value.partition("=")
-            if not sep:
-                raise ValueError(f"--lora-modules: {value!r} must be name=path")
-        if not name or not path:
-            raise ValueError(f"--lora-modules: {value!r} needs a non-empty name and path")
-        out.append((name, path))
-    return out
 
 
 def model_not_found(model: str, served: list[str]) -> OpenAIError:
