@@ -473,6 +473,45 @@ class DeviceConfig:
             raise ValueError("device 'cuda' was asked for but CUDA is not available")
 
 
+CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+
+
+def parse_compilation_config(value: dict[str, Any] | str | int | None) -> str:
+    """vLLM's ``compilation_config`` -> the CUDA graph mode (one of ``CUDAGRAPH_MODES``; default
+    ``FULL_AND_PIECEWISE``). Takes a dict (or its JSON), of which ``cudagraph_mode`` is used; its other keys and an
+    integer optimization level configure torch.compile in vLLM, which pagedllm does not use: they are logged and
+    ignored. ``ValueError`` naming the field for a mode that does not exist.
+
+    The modes: ``NONE`` no graphs (as ``enforce_eager``); ``FULL_DECODE_ONLY`` whole-forward graphs for pure-decode
+    (and verification) batches only; ``PIECEWISE`` graphs around eager attention for every step; ``FULL_AND_PIECEWISE``
+    both, whole graphs for decodes and pieces for the rest. ``FULL`` (whole graphs for mixed batches too) is beyond
+    the Triton backend: as in vLLM, it falls back to ``FULL_AND_PIECEWISE``."""
+    if value is None or isinstance(value, int) and not isinstance(value, bool):
+        if value is not None:
+            logger.info("compilation_config=%d (a torch.compile level): pagedllm does not use torch.compile", value)
+        return "FULL_AND_PIECEWISE"
+    if isinstance(value, str):
+        import json
+
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"compilation_config: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"compilation_config must be a dict (or its JSON), got {type(value).__name__}")
+    ignored = sorted(k for k in value if k != "cudagraph_mode")
+    if ignored:
+        logger.info("compilation_config: %s ignored (torch.compile settings; pagedllm does not use it)", ignored)
+    mode = value.get("cudagraph_mode", "FULL_AND_PIECEWISE")
+    mode = str(getattr(mode, "name", mode)).upper()  # a string, or vLLM's CUDAGraphMode enum
+    if mode not in CUDAGRAPH_MODES:
+        raise ValueError(f"compilation_config.cudagraph_mode must be one of {list(CUDAGRAPH_MODES)}, got {mode!r}")
+    if mode == "FULL":
+        logger.info("cudagraph_mode FULL: mixed batches cannot be captured whole; using FULL_AND_PIECEWISE")
+        mode = "FULL_AND_PIECEWISE"
+    return mode
+
+
 @dataclass
 class EngineConfig:
     model_config: ModelConfig
@@ -480,6 +519,8 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     device_config: DeviceConfig
     enforce_eager: bool = False
+    # CUDA graphs (parse_compilation_config): FULL_AND_PIECEWISE, FULL_DECODE_ONLY, PIECEWISE or NONE
+    cudagraph_mode: str = "FULL_AND_PIECEWISE"
     attention_backend: str | None = None  # None = automatic
     log_stats: bool = True
     check_integrity_on_idle: bool = True  # check the KV block pool each time the engine runs out of work
@@ -556,6 +597,7 @@ def make_engine_config(
     kv_cache_memory_bytes: int | None = None,
     num_gpu_blocks_override: int | None = None,
     enforce_eager: bool = False,
+    compilation_config: dict[str, Any] | str | int | None = None,
     served_model_name: str | None = None,
     attention_backend: str | None = None,
     scheduling_policy: str = "fcfs",
@@ -583,6 +625,7 @@ def make_engine_config(
         from pagedllm.entrypoints.openai.reasoning_parsers import get_reasoning_parser
 
         get_reasoning_parser(reasoning_parser)  # ValueError naming the valid ones
+    cudagraph_mode = parse_compilation_config(compilation_config)  # ValueError naming the field, first
     device_config = DeviceConfig(device)
     lora_config = LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None
     spec = None if speculative_config is None else SpeculativeConfig.from_dict(speculative_config)
@@ -668,6 +711,7 @@ def make_engine_config(
         scheduler_config=scheduler_config,
         device_config=device_config,
         enforce_eager=enforce_eager,
+        cudagraph_mode=cudagraph_mode,
         attention_backend=attention_backend,
         check_integrity_on_idle=check_integrity_on_idle,
         reasoning_parser=reasoning_parser,

@@ -55,6 +55,14 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
         "every layer instead of freeing the sliding layers' blocks behind their window",
     )
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument(
+        "--compilation-config",
+        "-O",
+        type=_json_or_int,
+        default=None,
+        help='vLLM\'s: JSON whose "cudagraph_mode" picks the CUDA graphs (FULL_AND_PIECEWISE, the default; '
+        "FULL_DECODE_ONLY; PIECEWISE; NONE); its torch.compile keys, and an integer level, are ignored",
+    )
     parser.add_argument("--attention-backend", default=None, choices=[None, "torch", "triton"])
     parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     parser.add_argument(
@@ -121,6 +129,11 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     )
 
 
+def _json_or_int(text: str) -> dict[str, Any] | int:
+    """``--compilation-config``: a JSON object, or an integer level (``-O3``)."""
+    return int(text) if text.strip().isdigit() else _json_dict(text)
+
+
 def _json_dict(text: str) -> dict[str, Any]:
     import json
 
@@ -163,6 +176,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         disable_hybrid_kv_cache_manager=getattr(args, "disable_hybrid_kv_cache_manager", False),
         enforce_eager=args.enforce_eager,
+        compilation_config=getattr(args, "compilation_config", None),
         attention_backend=args.attention_backend,
         scheduling_policy=args.scheduling_policy,
         async_scheduling=args.async_scheduling,

@@ -317,10 +317,16 @@ class ModelRunner:
             "KV cache dtype %s%s", self.kv_cache_dtype, kv_scales_summary(self.model, self.kv_cache_dtype)
         )
 
+    def _graph_mode(self) -> str:
+        """The CUDA graph mode (``EngineConfig.cudagraph_mode``, from vLLM's ``compilation_config``)."""
+        return getattr(self.config, "cudagraph_mode", "FULL_AND_PIECEWISE")
+
     def _graphs_wanted(self) -> bool:
-        """Decode graphs: unless eager mode was asked for or the backend cannot be captured."""
+        """Any CUDA graphs: unless eager mode (or ``cudagraph_mode`` NONE) was asked for or the backend cannot be
+        captured."""
         return not (
             self.config.enforce_eager
+            or self._graph_mode() == "NONE"
             or self.keep_hidden
             or self.device.type != "cuda"
             or self.attn_backend.name != "triton"
@@ -337,6 +343,8 @@ class ModelRunner:
         plans attention on the host: it stays eager."""
         if not self.allow_piecewise or not self._graphs_wanted() or self._is_mla():
             return False
+        if self._graph_mode() not in ("FULL_AND_PIECEWISE", "PIECEWISE"):
+            return False
         if self.lora_manager is not None or self.pp is not None:
             return False
         if self.tp_size > 1 and os.environ.get("PAGEDLLM_TP_PIECEWISE", "0") != "1":
@@ -344,10 +352,17 @@ class ModelRunner:
         return os.environ.get("PAGEDLLM_PIECEWISE", "1") != "0"
 
     def maybe_capture_cuda_graphs(self) -> None:
-        """Capture decode graphs unless eager mode was asked for or the backend cannot be captured; then the
-        piecewise graphs where :meth:`_piecewise_wanted`."""
+        """Capture the decode graphs (unless ``cudagraph_mode`` is PIECEWISE), then the piecewise graphs where
+        :meth:`_piecewise_wanted`; nothing in eager mode or where the backend cannot be captured."""
         if not self._graphs_wanted():
             return
+        if self._graph_mode() in ("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"):
+            self._capture_decode_graphs()
+        if self._piecewise_wanted():
+            self._capture_piecewise()
+        self._warm_up_eager_steps()
+
+    def _capture_decode_graphs(self) -> None:
         # MLA plans its multi-token steps on the host (meta.*_cpu): those stay eager.
         mla = self._is_mla()
         query_len = 1 if mla else self.graph_query_len
@@ -367,9 +382,6 @@ class ModelRunner:
             # rows: LoRAMapping.update writes -1 past the step's tokens) have slot -1 and add nothing.
             self.lora_manager.set_mapping([], [], force_apply=True)
         self.graph_runner.capture()
-        if self._piecewise_wanted():
-            self._capture_piecewise()
-        self._warm_up_eager_steps()
 
     def _capture_piecewise(self) -> None:
         sizes = piecewise_sizes(self.max_num_tokens)

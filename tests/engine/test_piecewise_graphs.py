@@ -229,6 +229,64 @@ def test_piecewise_is_wanted_only_where_validated(cpu_runner, monkeypatch):
     assert cpu_runner._piecewise_wanted()
 
 
+def test_compilation_config_picks_the_cuda_graph_mode():
+    """vLLM's ``compilation_config``: ``cudagraph_mode`` (any case, or vLLM's enum by name) picks the graphs;
+    FULL falls back to FULL_AND_PIECEWISE; torch.compile keys and integer levels are ignored; a mode that does not
+    exist is a ValueError naming the field."""
+    from types import SimpleNamespace
+
+    from pagedllm.config import parse_compilation_config
+
+    assert parse_compilation_config(None) == "FULL_AND_PIECEWISE"
+    assert parse_compilation_config(3) == "FULL_AND_PIECEWISE"
+    assert parse_compilation_config({"cudagraph_mode": "piecewise"}) == "PIECEWISE"
+    assert parse_compilation_config('{"cudagraph_mode": "FULL_DECODE_ONLY", "level": 3}') == "FULL_DECODE_ONLY"
+    assert parse_compilation_config({"cudagraph_mode": SimpleNamespace(name="NONE")}) == "NONE"
+    assert parse_compilation_config({"cudagraph_mode": "FULL"}) == "FULL_AND_PIECEWISE"
+    assert parse_compilation_config({"use_inductor": False}) == "FULL_AND_PIECEWISE"
+    with pytest.raises(ValueError, match="cudagraph_mode"):
+        parse_compilation_config({"cudagraph_mode": "SOMETIMES"})
+    with pytest.raises(ValueError, match="compilation_config"):
+        parse_compilation_config("{not json")
+    with pytest.raises(ValueError, match="compilation_config"):
+        parse_compilation_config([1, 2])
+
+
+def test_compilation_config_reaches_the_runner(tiny_llama, monkeypatch):
+    """LLM(compilation_config=...) and the CLI's --compilation-config / -O set the engine's mode; on a (pretend)
+    CUDA device with the Triton backend, the mode decides which graphs the runner wants."""
+    import argparse
+    from types import SimpleNamespace
+
+    from pagedllm.engine.arg_utils import add_engine_args, engine_kwargs_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser, model_positional=True)
+    args = parser.parse_args([tiny_llama, "--compilation-config", '{"cudagraph_mode": "FULL_DECODE_ONLY"}'])
+    assert engine_kwargs_from_args(args)["compilation_config"] == {"cudagraph_mode": "FULL_DECODE_ONLY"}
+    assert engine_kwargs_from_args(parser.parse_args([tiny_llama, "-O", "3"]))["compilation_config"] == 3
+
+    monkeypatch.delenv("PAGEDLLM_PIECEWISE", raising=False)
+    for mode, graphs, piecewise in [
+        ("FULL_AND_PIECEWISE", True, True),
+        ("FULL_DECODE_ONLY", True, False),
+        ("PIECEWISE", True, True),
+        ("NONE", False, False),
+    ]:
+        llm = LLM(
+            tiny_llama, dtype="float32", device="cpu", num_gpu_blocks_override=8, block_size=4, max_model_len=32,
+            compilation_config={"cudagraph_mode": mode},
+        )  # fmt: skip
+        runner = llm.llm_engine.engine_core.runner
+        assert runner.config.cudagraph_mode == mode
+        with monkeypatch.context() as m:
+            m.setattr(runner, "device", torch.device("cuda"))
+            m.setattr(runner, "attn_backend", SimpleNamespace(name="triton"))
+            assert (runner._graphs_wanted(), runner._piecewise_wanted()) == (graphs, piecewise), mode
+    with pytest.raises(ValueError, match="cudagraph_mode"):
+        LLM(tiny_llama, device="cpu", compilation_config={"cudagraph_mode": "ALWAYS"})
+
+
 def test_profile_reserves_the_graph_pool(cpu_runner, monkeypatch):
     """The pool keeps the largest size's activations beside the allocator's logits peak: within a 16k budget the
     smaller of the two profiled peaks (the larger is in the profile already), above it the activations scaled to
@@ -358,6 +416,34 @@ def test_piecewise_graphs_match_eager(tiny_model_dirs, arch, monkeypatch):
     graphs, replays, _ = _run(tiny_model_dirs[arch], eager=False)
     assert sum(replays.values()) > 0 and max(replays) > 16
     assert graphs == eager
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["PIECEWISE", "FULL_DECODE_ONLY"])
+def test_cudagraph_modes_match_eager(tiny_model_dirs, mode):
+    """PIECEWISE (pieces for every step, pure decodes included, no whole-forward graphs) and FULL_DECODE_ONLY
+    (whole graphs for decodes, mixed steps eager): the eager engine's tokens."""
+    path = tiny_model_dirs["qwen3"]
+    eager, _, _ = _run(path, eager=True)
+    llm = LLM(
+        path, dtype="float32", device="cuda", max_model_len=512, max_num_seqs=8, max_num_batched_tokens=256,
+        kv_cache_memory_bytes=64 * 2**20, compilation_config={"cudagraph_mode": mode},
+    )  # fmt: skip
+    runner = llm.llm_engine.engine_core.runner
+    assert (runner.graph_runner is None) == (mode == "PIECEWISE")
+    assert (runner.piecewise is None) == (mode == "FULL_DECODE_ONLY")
+    prompts = _prompts(llm.llm_engine.engine_core.vocab_size)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outs = []
+    for _ in range(2):
+        gen = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outs += [o.outputs[0].token_ids for o in gen]
+    llm.llm_engine.check_integrity()
+    if mode == "PIECEWISE":
+        assert 16 in runner.piecewise.num_replays  # pure decodes of up to 8 requests, padded to 16
+    del llm
+    torch.cuda.empty_cache()
+    assert outs == eager
 
 
 @pytest.mark.gpu
