@@ -476,20 +476,25 @@ class DeviceConfig:
 CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 
 
-def parse_compilation_config(value: dict[str, Any] | str | int | None) -> str:
-    """vLLM's ``compilation_config`` -> the CUDA graph mode (one of ``CUDAGRAPH_MODES``; default
-    ``FULL_AND_PIECEWISE``). Takes a dict (or its JSON), of which ``cudagraph_mode`` is used; its other keys and an
-    integer optimization level configure torch.compile in vLLM, which pagedllm does not use: they are logged and
-    ignored. ``ValueError`` naming the field for a mode that does not exist.
+_LEVEL_MODES = {0: "NONE", 1: "PIECEWISE", 2: "FULL_AND_PIECEWISE", 3: "FULL_AND_PIECEWISE"}
+
+
+def parse_compilation_config(
+    value: dict[str, Any] | str | int | None = None, optimization_level: int | None = None
+) -> str:
+    """vLLM's ``compilation_config`` and ``optimization_level`` (``-O0`` .. ``-O3``) -> the CUDA graph mode, one of
+    ``CUDAGRAPH_MODES``.
 
     The modes: ``NONE`` no graphs (as ``enforce_eager``); ``FULL_DECODE_ONLY`` whole-forward graphs for pure-decode
     (and verification) batches only; ``PIECEWISE`` graphs around eager attention for every step; ``FULL_AND_PIECEWISE``
     both, whole graphs for decodes and pieces for the rest. ``FULL`` (whole graphs for mixed batches too) is beyond
-    the Triton backend: as in vLLM, it falls back to ``FULL_AND_PIECEWISE``."""
-    if value is None or isinstance(value, int) and not isinstance(value, bool):
-        if value is not None:
-            logger.info("compilation_config=%d (a torch.compile level): pagedllm does not use torch.compile", value)
-        return "FULL_AND_PIECEWISE"
+    the Triton backend: it falls back to ``FULL_AND_PIECEWISE``, as vLLM does for such backends.
+
+    ``compilation_config``: a dict, its JSON, or an object with a ``cudagraph_mode`` attribute (vLLM's
+    ``CompilationConfig``); its ``cudagraph_mode`` (a name, any case, or vLLM's enum) wins over the level. Its other
+    keys configure torch.compile in vLLM, which pagedllm does not use: they are ignored, with a warning. An integer
+    (or its JSON) is a level, as vLLM once took it. The level's mode, as in vLLM: 0 NONE, 1 PIECEWISE, 2 and 3 (and
+    no level) FULL_AND_PIECEWISE. ``ValueError`` naming the field for anything else."""
     if isinstance(value, str):
         import json
 
@@ -497,17 +502,34 @@ def parse_compilation_config(value: dict[str, Any] | str | int | None) -> str:
             value = json.loads(value)
         except json.JSONDecodeError as e:
             raise ValueError(f"compilation_config: not valid JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"compilation_config must be a dict (or its JSON), got {type(value).__name__}")
-    ignored = sorted(k for k in value if k != "cudagraph_mode")
-    if ignored:
-        logger.info("compilation_config: %s ignored (torch.compile settings; pagedllm does not use it)", ignored)
-    mode = value.get("cudagraph_mode", "FULL_AND_PIECEWISE")
+    if isinstance(value, int) and not isinstance(value, bool):
+        value, optimization_level = None, value if optimization_level is None else optimization_level
+    if optimization_level is not None and optimization_level not in _LEVEL_MODES:
+        raise ValueError(f"optimization_level must be 0, 1, 2 or 3, got {optimization_level!r}")
+    mode = None
+    if value is not None:
+        if isinstance(value, dict):
+            ignored = sorted(k for k in value if k != "cudagraph_mode")
+            mode = value.get("cudagraph_mode")
+        elif hasattr(value, "cudagraph_mode"):
+            ignored, mode = [], value.cudagraph_mode
+        else:
+            raise ValueError(f"compilation_config must be a dict (or its JSON), got {type(value).__name__}")
+        if ignored:
+            logger.warning(
+                "compilation_config: %s ignored (torch.compile settings; pagedllm does not use it)", ignored
+            )
+    if mode is None:
+        return _LEVEL_MODES[2 if optimization_level is None else optimization_level]
     mode = str(getattr(mode, "name", mode)).upper()  # a string, or vLLM's CUDAGraphMode enum
     if mode not in CUDAGRAPH_MODES:
-        raise ValueError(f"compilation_config.cudagraph_mode must be one of {list(CUDAGRAPH_MODES)}, got {mode!r}")
+        raise ValueError(
+            f"compilation_config.cudagraph_mode must be one of {list(CUDAGRAPH_MODES)}, got {mode!r}"
+        )
     if mode == "FULL":
-        logger.info("cudagraph_mode FULL: mixed batches cannot be captured whole; using FULL_AND_PIECEWISE")
+        logger.warning(
+            "cudagraph_mode FULL: mixed batches cannot be captured whole; using FULL_AND_PIECEWISE"
+        )
         mode = "FULL_AND_PIECEWISE"
     return mode
 
@@ -598,6 +620,7 @@ def make_engine_config(
     num_gpu_blocks_override: int | None = None,
     enforce_eager: bool = False,
     compilation_config: dict[str, Any] | str | int | None = None,
+    optimization_level: int | None = None,
     served_model_name: str | None = None,
     attention_backend: str | None = None,
     scheduling_policy: str = "fcfs",
@@ -625,7 +648,8 @@ def make_engine_config(
         from pagedllm.entrypoints.openai.reasoning_parsers import get_reasoning_parser
 
         get_reasoning_parser(reasoning_parser)  # ValueError naming the valid ones
-    cudagraph_mode = parse_compilation_config(compilation_config)  # ValueError naming the field, first
+    # ValueError naming the field, before anything is loaded
+    cudagraph_mode = parse_compilation_config(compilation_config, optimization_level)
     device_config = DeviceConfig(device)
     lora_config = LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None
     spec = None if speculative_config is None else SpeculativeConfig.from_dict(speculative_config)

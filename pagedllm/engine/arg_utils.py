@@ -57,11 +57,21 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument(
         "--compilation-config",
-        "-O",
+        "-cc",
         type=_json_or_int,
         default=None,
-        help='vLLM\'s: JSON whose "cudagraph_mode" picks the CUDA graphs (FULL_AND_PIECEWISE, the default; '
-        "FULL_DECODE_ONLY; PIECEWISE; NONE); its torch.compile keys, and an integer level, are ignored",
+        help='vLLM\'s, as JSON: its "cudagraph_mode" picks the CUDA graphs (FULL_AND_PIECEWISE, the default; '
+        "FULL_DECODE_ONLY; PIECEWISE; NONE; FULL falls back to the default); torch.compile keys are ignored. "
+        "vLLM's dotted form (-cc.cudagraph_mode=...) is not taken",
+    )
+    parser.add_argument(
+        "--optimization-level",
+        "-O",
+        type=int,
+        default=None,
+        choices=[0, 1, 2, 3],
+        help="vLLM's levels, for the CUDA graphs: 0 none, 1 PIECEWISE, 2 and 3 FULL_AND_PIECEWISE (the default); "
+        "a cudagraph_mode in --compilation-config wins",
     )
     parser.add_argument("--attention-backend", default=None, choices=[None, "torch", "triton"])
     parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
@@ -130,7 +140,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
 
 
 def _json_or_int(text: str) -> dict[str, Any] | int:
-    """``--compilation-config``: a JSON object, or an integer level (``-O3``)."""
+    """``--compilation-config``: a JSON object, or an integer (a level, as vLLM once took it)."""
     return int(text) if text.strip().isdigit() else _json_dict(text)
 
 
@@ -177,6 +187,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         disable_hybrid_kv_cache_manager=getattr(args, "disable_hybrid_kv_cache_manager", False),
         enforce_eager=args.enforce_eager,
         compilation_config=getattr(args, "compilation_config", None),
+        optimization_level=getattr(args, "optimization_level", None),
         attention_backend=args.attention_backend,
         scheduling_policy=args.scheduling_policy,
         async_scheduling=args.async_scheduling,

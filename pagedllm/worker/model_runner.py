@@ -356,10 +356,14 @@ class ModelRunner:
         :meth:`_piecewise_wanted`; nothing in eager mode or where the backend cannot be captured."""
         if not self._graphs_wanted():
             return
-        if self._graph_mode() in ("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"):
+        mode = self._graph_mode()
+        if mode in ("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"):
             self._capture_decode_graphs()
-        if self._piecewise_wanted():
-            self._capture_piecewise()
+        if not (self._piecewise_wanted() and self._capture_piecewise()) and mode == "PIECEWISE":
+            # Pieces are not available here (TP without PAGEDLLM_TP_PIECEWISE=1, LoRA, PP, MLA, a draft model, or a
+            # failed capture): decode graphs rather than none at all.
+            logger.warning("cudagraph_mode PIECEWISE: no piecewise graphs here; decode graphs instead")
+            self._capture_decode_graphs()
         self._warm_up_eager_steps()
 
     def _capture_decode_graphs(self) -> None:
@@ -383,10 +387,11 @@ class ModelRunner:
             self.lora_manager.set_mapping([], [], force_apply=True)
         self.graph_runner.capture()
 
-    def _capture_piecewise(self) -> None:
+    def _capture_piecewise(self) -> bool:
+        """Capture the piecewise graphs; whether they are in use."""
         sizes = piecewise_sizes(self.max_num_tokens)
         if not sizes:
-            return
+            return False
         # The memory profile's cached activations go back to the device: the graph pool is private and takes its
         # own (the profile reserved them; see _profile_cuda_num_blocks for steps above the largest size).
         torch.cuda.empty_cache()
@@ -395,6 +400,7 @@ class ModelRunner:
         )
         if runner.capture(len(self._attention_layers())):
             self.piecewise = runner
+        return self.piecewise is not None
 
     @torch.inference_mode()
     def _warm_up_eager_steps(self) -> None:

@@ -46,7 +46,7 @@ def test_serve_flags(capsys):
 
 
 def test_serve_defaults_expose_nothing():
-    from pagedllm.entrypoints.openai.api_server import DEFAULT_MAX_REQUEST_BODY_BYTES, add_cli_args
+    from pagedllm.entrypoints.openai.serve_cli import DEFAULT_MAX_REQUEST_BODY_BYTES, add_cli_args
 
     parser = argparse.ArgumentParser()
     add_cli_args(parser)
@@ -64,6 +64,38 @@ def test_a_missing_module_only_breaks_its_own_command(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["serve", "--help"])
     assert e.value.code == 0
+
+
+def test_serve_entry_point_leaves_the_http_stack_for_later():
+    """`pagedllm serve`'s module (flags, checks, config) imports neither FastAPI, uvicorn, pydantic nor the serving
+    layer: they load while the engine core starts (serve_cli._import_http_stack)."""
+    code = (
+        "import sys; import pagedllm.entrypoints.openai.serve_cli; "
+        "print(sorted(m for m in ('fastapi', 'uvicorn', 'pydantic', 'pagedllm.entrypoints.openai.api_server', "
+        "'pagedllm.entrypoints.openai.protocol') if m in sys.modules))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO_ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_serve_without_the_server_extras_says_so(tiny_llama, monkeypatch, capsys):
+    """Without fastapi (or uvicorn, pydantic) `pagedllm serve` stops at once, naming what is missing, before it
+    binds a port or starts an engine."""
+    import importlib.util
+
+    from pagedllm.entrypoints.openai import serve_cli
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "fastapi" else real_find_spec(name, *a)
+    )
+    monkeypatch.setattr(serve_cli, "_bind", lambda *a: pytest.fail("bound a port"))
+    parser = argparse.ArgumentParser()
+    serve_cli.add_cli_args(parser)
+    assert serve_cli.main(parser.parse_args([tiny_llama])) == 1
+    assert "unavailable (missing fastapi" in capsys.readouterr().out
 
 
 def test_chat_repl(tiny_llama):

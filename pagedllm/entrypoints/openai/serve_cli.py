@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import logging
 import os
@@ -134,9 +135,19 @@ def _raise_system_exit(signum: int, frame: Any) -> None:
     raise SystemExit(0)
 
 
+_HTTP_MODULES = ("fastapi", "uvicorn", "pydantic")
+
+
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    logger.info("pagedllm serve: arguments parsed, modules imported")
+    logger.info("pagedllm serve: arguments parsed")
+    missing = [m for m in _HTTP_MODULES if importlib.util.find_spec(m) is None]
+    if missing:  # they are imported only once the engine starts: say so before anything else happens
+        print(
+            f"pagedllm serve: unavailable (missing {', '.join(missing)}; pip install pagedllm[serve])",
+            flush=True,
+        )
+        return 1
     api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
     try:
         model = resolve_model_arg(args)
@@ -230,3 +241,5 @@ def _import_http_stack() -> None:
     import uvicorn  # noqa: F401
 
     import pagedllm.entrypoints.openai.api_server  # noqa: F401
+
+    logger.info("pagedllm serve: server modules imported")
