@@ -392,9 +392,8 @@ class ModelRunner:
         sizes = piecewise_sizes(self.max_num_tokens)
         if not sizes:
             return False
-        # The memory profile's cached activations go back to the device: the graph pool is private and takes its
-        # own (the profile reserved them; see _profile_cuda_num_blocks for steps above the largest size).
-        torch.cuda.empty_cache()
+        # The runner hands the allocator's cached memory back before each capture (its pool is private); the
+        # memory profile reserved the pool (_piecewise_reserve).
         runner = PiecewiseGraphRunner(
             self.model, self.kv_caches, sizes, self.device, self.kv_layout.num_groups
         )

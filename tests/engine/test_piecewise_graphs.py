@@ -317,6 +317,18 @@ def test_the_mode_decides_what_is_captured(tiny_llama, monkeypatch, mode, piecew
         LLM(tiny_llama, device="cpu", compilation_config={"cudagraph_mode": "ALWAYS"})
 
 
+def test_llm_takes_vllms_optimization_level(tiny_llama):
+    """LLM(optimization_level=...) as in vLLM: 0 turns the graphs off, an explicit cudagraph_mode wins, and a
+    level outside 0-3 is a ValueError naming the argument."""
+    kw = dict(dtype="float32", device="cpu", num_gpu_blocks_override=8, block_size=4, max_model_len=32)
+    for level, config, mode in [(0, None, "NONE"), (1, None, "PIECEWISE"), (0, {"cudagraph_mode": "FULL"}, None)]:
+        llm = LLM(tiny_llama, optimization_level=level, compilation_config=config, **kw)
+        assert llm.llm_engine.config.cudagraph_mode == (mode or "FULL_AND_PIECEWISE")
+        llm.llm_engine.engine_core.shutdown()
+    with pytest.raises(ValueError, match="optimization_level"):
+        LLM(tiny_llama, optimization_level=5, **kw)
+
+
 def test_profile_reserves_the_graph_pool(cpu_runner, monkeypatch):
     """The pool keeps the largest size's activations beside the allocator's logits peak: within a 16k budget the
     smaller of the two profiled peaks (the larger is in the profile already), above it the activations scaled to
