@@ -25,6 +25,7 @@ from typing import Any
 
 from pagedllm.config import EngineConfig, make_engine_config
 from pagedllm.core.sched_output import SchedulerStats
+from pagedllm.engine.core_launch import LaunchedCore
 from pagedllm.engine.core_process import DEFAULT_ENGINE_CORE, EngineCoreClient, EngineDeadError
 from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.output_processor import FinishedRequestStats, IterationStats, OutputProcessor
@@ -71,9 +72,11 @@ class AsyncLLM:
         core_cls_path: str = DEFAULT_ENGINE_CORE,
         startup_timeout_s: float | None = None,
         while_starting: Callable[[], None] | None = None,
+        launched: LaunchedCore | None = None,
     ) -> None:
         """``while_starting``: more work to run while the engine core process starts (after the tokenizer loads),
-        e.g. the server's own imports."""
+        e.g. the server's own imports. ``launched``: the core process, already started with this config (or its
+        ``ConfigRecipe``) by ``core_launch.launch``; one GPU engine only (no data parallelism)."""
         self.config = config
         self.model_config = config.model_config
         self.log_requests = log_requests
@@ -95,15 +98,26 @@ class AsyncLLM:
             if while_starting is not None:
                 while_starting()
 
-        client_cls = EngineCoreClient
         if config.data_parallel_size > 1:
-            from pagedllm.engine.data_parallel import DataParallelCoreClient as client_cls
-        self.engine_core = client_cls(
-            config,
-            core_cls_path=core_cls_path,
-            startup_timeout_s=startup_timeout_s,
-            while_starting=load_tokenizer,
-        )
+            from pagedllm.engine.data_parallel import DataParallelCoreClient
+
+            if launched is not None:
+                launched.discard()
+                raise ValueError("a launched core process serves one data-parallel rank, not several")
+            self.engine_core = DataParallelCoreClient(
+                config,
+                core_cls_path=core_cls_path,
+                startup_timeout_s=startup_timeout_s,
+                while_starting=load_tokenizer,
+            )
+        else:
+            self.engine_core = EngineCoreClient(
+                config,
+                core_cls_path=core_cls_path,
+                startup_timeout_s=startup_timeout_s,
+                while_starting=load_tokenizer,
+                launched=launched,
+            )
         self.kv_cache_info: dict = self.engine_core.kv_cache_info
         try:
             asyncio.get_running_loop()

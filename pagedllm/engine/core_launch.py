@@ -3,28 +3,46 @@ importing its own modules and building the config, then waits on stdin for its a
 
 Standard library only, so ``pagedllm serve`` can call ``prespawn()`` before anything heavy is imported. A spare
 that is never used exits by itself when the parent closes its stdin (at the parent's exit at the latest).
+
+``launch()`` sends a core its arguments and returns the ``LaunchedCore`` that ``EngineCoreClient`` adopts. The
+config it sends may be a ``ConfigRecipe`` (the engine arguments, which the core turns into its config itself):
+then ``pagedllm serve`` starts the core as soon as its flags are checked, before its own slow imports (transformers
+and the tokenizer: 9-12 s on the lent GPU hosts, during which the core used to wait).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import pickle
+import shutil
 import subprocess
 import sys
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+DEFAULT_ENGINE_CORE = "pagedllm.engine.engine_core:EngineCore"
 
 _CHILD_CODE = (
-    "import json, os, sys; sys.path[:] = json.loads(os.environ.pop('PAGEDLLM_CORE_SYS_PATH')); "
-    "from pagedllm.engine.core_process import _child_main; _child_main()"
+    "import json, os, sys, time; t0 = time.time(); sys.path[:] = json.loads(os.environ.pop('PAGEDLLM_CORE_SYS_PATH')); "
+    "from pagedllm.engine.core_process import _child_main; _child_main(t0)"
 )
 
 _spare: tuple[subprocess.Popen, int] | None = None
 
 
-def spawn() -> tuple[subprocess.Popen, int]:
-    """A fresh core interpreter and the read end of a pipe that reaches EOF when it exits (its sentinel)."""
+def spawn(*, for_recipe: bool = False) -> tuple[subprocess.Popen, int]:
+    """A fresh core interpreter and the read end of a pipe that reaches EOF when it exits (its sentinel).
+    ``for_recipe``: it also imports what building a config takes (transformers' AutoConfig) before it waits,
+    for a ``ConfigRecipe`` that comes seconds later."""
     read_fd, write_fd = os.pipe()
     env = dict(os.environ)
     env["PAGEDLLM_CORE_SYS_PATH"] = json.dumps(sys.path)
+    if for_recipe:
+        env["PAGEDLLM_CORE_IMPORT_CONFIG"] = "1"
     try:
         popen = subprocess.Popen(
             [sys.executable, "-c", _CHILD_CODE],
@@ -39,10 +57,10 @@ def spawn() -> tuple[subprocess.Popen, int]:
 
 
 def prespawn() -> None:
-    """Start one core interpreter now, for the next ``take()``."""
+    """Start one core interpreter now, for the next ``take()`` (`pagedllm serve`'s, which sends a recipe)."""
     global _spare
     if _spare is None:
-        _spare = spawn()
+        _spare = spawn(for_recipe=True)
 
 
 def take() -> tuple[subprocess.Popen, int]:
@@ -54,3 +72,74 @@ def take() -> tuple[subprocess.Popen, int]:
             return spare
         os.close(spare[1])
     return spawn()
+
+
+@dataclass(frozen=True)
+class ConfigRecipe:
+    """``make_engine_config(model, **kwargs)``, run by the core itself, then ``model_config_attrs`` set on its
+    model config. The API process builds its own config from the same recipe: both are the same function of the
+    same arguments and environment (the core interpreter inherited the environment at spawn)."""
+
+    model: str
+    kwargs: dict[str, Any]
+    model_config_attrs: dict[str, Any] = field(default_factory=dict)
+
+    def build(self) -> Any:
+        """The ``EngineConfig`` (raises ``ValueError`` for bad arguments)."""
+        from pagedllm.config import make_engine_config
+
+        config = make_engine_config(self.model, **self.kwargs)
+        for name, value in self.model_config_attrs.items():
+            setattr(config.model_config, name, value)
+        return config
+
+
+@dataclass
+class LaunchedCore:
+    """A core interpreter that has its arguments: it binds its sockets under ``tmpdir`` and starts the engine.
+    ``sentinel`` reaches EOF when it exits. Whoever holds it either hands it to ``EngineCoreClient`` (which then
+    owns the process and ``tmpdir``) or calls ``discard()``."""
+
+    popen: subprocess.Popen
+    sentinel: int
+    tmpdir: str
+    core_cls_path: str
+    adopted: bool = False  # by an EngineCoreClient, which then owns the process and tmpdir
+
+    @property
+    def addresses(self) -> tuple[str, str, str]:
+        """The zmq addresses of the core's input, output and ready sockets."""
+        return tuple(f"ipc://{self.tmpdir}/{name}" for name in ("input", "output", "ready"))  # type: ignore[return-value]
+
+    def discard(self) -> None:
+        """Stop the core and remove its socket directory, unless a client adopted it (then a no-op)."""
+        if self.adopted:
+            return
+        if self.popen.poll() is None:
+            self.popen.kill()
+        self.popen.wait()
+        if self.sentinel >= 0:
+            os.close(self.sentinel)
+            self.sentinel = -1
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+
+def launch(config: Any, core_cls_path: str = DEFAULT_ENGINE_CORE) -> LaunchedCore:
+    """Send a core interpreter (the pre-spawned one if live, else a fresh one) its arguments: ``config`` (an
+    ``EngineConfig`` or a ``ConfigRecipe``) and the addresses to bind."""
+    tmpdir = tempfile.mkdtemp(prefix="pagedllm-core-")  # created 0700
+    popen, sentinel = take()
+    core = LaunchedCore(popen, sentinel, tmpdir, core_cls_path)
+    assert popen.stdin is not None
+    try:
+        pickle.dump(
+            (config, *core.addresses, os.getpid(), core_cls_path), popen.stdin, pickle.HIGHEST_PROTOCOL
+        )
+        popen.stdin.close()
+    except BrokenPipeError:
+        pass  # it died at once; the client's start-up check says so
+    except BaseException:
+        core.discard()
+        raise
+    logger.info("engine core process launched")
+    return core

@@ -42,7 +42,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 import weakref
@@ -56,10 +55,11 @@ import zmq.asyncio
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import EngineCoreOutputs, EngineCoreRequest
+from pagedllm.engine import core_launch
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_ENGINE_CORE = "pagedllm.engine.engine_core:EngineCore"
+DEFAULT_ENGINE_CORE = core_launch.DEFAULT_ENGINE_CORE
 
 # The calls ``call_utility_async`` may make, run between steps: EngineCore methods, plus three answered by the loop.
 _UTILITIES = (
@@ -190,7 +190,7 @@ class _CoreLoop:
 
 
 def run_engine_core(
-    config: EngineConfig,
+    config: EngineConfig | core_launch.ConfigRecipe,
     input_addr: str,
     output_addr: str,
     ready_addr: str,
@@ -201,12 +201,12 @@ def run_engine_core(
     # Ctrl-C in a terminal reaches the whole process group: the API process decides when the core stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s [engine core] %(message)s")
-    if _imports_done_at is not None:  # a pre-spawned interpreter: how long it waited for its arguments
-        waited = time.time() - _imports_done_at
+    if _imports_done_at is not None:  # how long its imports took, and how long it then waited for its arguments
         logger.info(
-            "engine core process started (pid %d; its imports were done %.2f s before its arguments came)",
+            "engine core process started (pid %d; its imports took %.2f s, then it waited %.2f s for its arguments)",
             os.getpid(),
-            waited,
+            _imports_done_at - _interpreter_started_at,
+            time.time() - _imports_done_at,
         )
     else:
         logger.info("engine core process started (pid %d)", os.getpid())
@@ -223,12 +223,16 @@ def run_engine_core(
     ready_sock.bind(ready_addr)
     exit_code = 0
     core = None
-    device = config.device_config.device
-    if device.type == "cuda" and device.index is not None:
-        # Triton launches on the current device: a data-parallel rank's process works on cuda:<rank>.
-        torch.cuda.set_device(device)
     try:
         try:
+            if isinstance(config, core_launch.ConfigRecipe):  # `pagedllm serve`: the core builds its own config
+                t0 = time.perf_counter()
+                config = config.build()
+                logger.info("engine config built in %.2f s", time.perf_counter() - t0)
+            device = config.device_config.device
+            if device.type == "cuda" and device.index is not None:
+                # Triton launches on the current device: a data-parallel rank's process works on cuda:<rank>.
+                torch.cuda.set_device(device)
             core = _load_class(core_cls_path)(config)
         except Exception as e:  # noqa: BLE001 - reported to the API process, which raises it
             logger.error("engine core failed to start:\n%s", traceback.format_exc())
@@ -275,18 +279,12 @@ class CoreProcess:
     whose only write end the child holds.
     """
 
-    def __init__(self, args: tuple) -> None:
-        from pagedllm.engine import core_launch
-
-        self._popen, read_fd = core_launch.take()  # pre-spawned by `pagedllm serve`, or fresh
-        self.sentinel = read_fd
+    def __init__(self, launched: core_launch.LaunchedCore) -> None:
+        """Adopt a launched core (``core_launch.launch``): its process and sentinel are this object's now."""
+        self._popen = launched.popen
+        self.sentinel, launched.sentinel = launched.sentinel, -1
+        launched.adopted = True
         self.pid = self._popen.pid
-        assert self._popen.stdin is not None
-        try:
-            pickle.dump(args, self._popen.stdin, protocol=pickle.HIGHEST_PROTOCOL)
-            self._popen.stdin.close()
-        except BrokenPipeError:
-            pass  # it died at once; is_alive() and exitcode say so
 
     def is_alive(self) -> bool:
         return self._popen.poll() is None
@@ -315,19 +313,24 @@ class CoreProcess:
             self.sentinel = -1
 
 
-_imports_done_at: float | None = None  # set in a pre-spawned core interpreter once its imports are done
+_imports_done_at: float | None = None  # set in a core interpreter (_child_main) once its imports are done
+_interpreter_started_at = 0.0
 
 
-def _child_main() -> None:
+def _child_main(started_at: float | None = None) -> None:
     """Entry point of the engine core interpreter: import the engine, then read the arguments from stdin (they
     may come seconds later: see core_launch.py), then run the core."""
-    # The engine's own imports, while the parent is still busy (the config arrives without transformers
-    # classes: see PlainHFConfig).
+    global _imports_done_at, _interpreter_started_at
+    _interpreter_started_at = time.time() if started_at is None else started_at
+    # The engine's own imports, while the parent is still busy. A config arrives without transformers classes
+    # (see PlainHFConfig); a ConfigRecipe needs AutoConfig, imported here too for `pagedllm serve`'s spare.
     import pagedllm.engine.engine_core  # noqa: F401
     import pagedllm.model_loader  # noqa: F401
     import pagedllm.models.registry  # noqa: F401
 
-    global _imports_done_at
+    if os.environ.pop("PAGEDLLM_CORE_IMPORT_CONFIG", None):  # a ConfigRecipe will come (core_launch.spawn)
+        from transformers import AutoConfig  # noqa: F401
+
     _imports_done_at = time.time()  # the start-up log says how long the core then waited for the parent
     try:
         args = pickle.load(sys.stdin.buffer)
@@ -368,19 +371,25 @@ class EngineCoreClient:
         core_cls_path: str = DEFAULT_ENGINE_CORE,
         startup_timeout_s: float | None = None,
         while_starting: Callable[[], None] | None = None,
+        launched: core_launch.LaunchedCore | None = None,
     ) -> None:
         """Start the core process and wait until it is ready. ``while_starting`` runs here meanwhile (the
-        front-end's own set-up, e.g. loading the tokenizer, overlaps the model load)."""
+        front-end's own set-up, e.g. loading the tokenizer, overlaps the model load). ``launched``: a core
+        already sent its arguments (``core_launch.launch``; ``pagedllm serve`` starts it before building
+        ``config``), adopted instead of starting one; it must run ``core_cls_path`` with this ``config``."""
         self._state = _ClientState()
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader_task: asyncio.Task | None = None
         self._outputs: asyncio.Queue | None = None
         self._call_ids = itertools.count()
-        self._tmpdir = tempfile.mkdtemp(prefix="pagedllm-core-")  # created 0700
-        input_addr = f"ipc://{self._tmpdir}/input"
-        output_addr = f"ipc://{self._tmpdir}/output"
-        ready_addr = f"ipc://{self._tmpdir}/ready"
+        if launched is None:
+            launched = core_launch.launch(config, core_cls_path)
+        elif launched.core_cls_path != core_cls_path:
+            launched.discard()
+            raise ValueError(f"the launched core runs {launched.core_cls_path}, not {core_cls_path}")
+        self._tmpdir = launched.tmpdir
+        input_addr, output_addr, ready_addr = launched.addresses
         self._ctx = zmq.Context()
         self._input = self._ctx.socket(zmq.PUSH)
         self._input.setsockopt(zmq.SNDHWM, 0)
@@ -397,8 +406,7 @@ class EngineCoreClient:
         _LIVE_CLIENTS.add(self)
         self.proc: CoreProcess | None = None
         try:
-            self.proc = CoreProcess((config, input_addr, output_addr, ready_addr, os.getpid(), core_cls_path))
-            logger.info("engine core process launched")
+            self.proc = CoreProcess(launched)
             if while_starting is not None:
                 while_starting()
             info = self._wait_ready(ready_sock, startup_timeout_s)

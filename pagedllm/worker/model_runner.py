@@ -409,19 +409,19 @@ class ModelRunner:
         Dummy steps of a decode then a chunk of L tokens (nothing written to the cache) meet the variants:
         a mixed step's prefill tiles depend on its longest chunk through the next power of two (``tile_config``),
         so L = 2, 4, ..., 64 meets every tile configuration; and when few tiles share a long context (the tail of
-        a run's prefills; the few decodes that lead a mixed step, in their own launch) the launch splits its keys
-        (``num_kv_splits``), one variant per split count, which a decode and a chunk of 64 over contexts of 512,
-        1024, ... max_model_len tokens meet. Then the one-pass sampler, without and with a grammar bitmask.
+        a run's prefills, such as a request's last few prompt tokens after its chunk was cut; the few decodes that
+        lead a mixed step, in their own launch) the launch splits its keys (``num_kv_splits``), one variant per
+        tile configuration and split count, which each L meets over contexts of 512, 1024, ... max_model_len
+        tokens. Then the one-pass sampler, without and with a grammar bitmask.
         """
         hidden = None
         for chunk in (2, 4, 8, 16, 32, 64):
             if chunk + 1 > min(self.max_num_tokens, self.max_model_len):
                 break
-            hidden = self._dummy_mixed_step(chunk, chunk)
-        context = 512
-        while context <= self.max_model_len and 65 <= self.max_num_tokens:
-            hidden = self._dummy_mixed_step(64, context)
-            context *= 2
+            context = chunk
+            while context <= self.max_model_len:
+                hidden = self._dummy_mixed_step(chunk, context)
+                context = 512 if context < 512 else context * 2
         if isinstance(hidden, torch.Tensor):
             logits = self.model.compute_logits(hidden[-1:])
             if use_fused_kernels(logits):

@@ -174,9 +174,9 @@ def test_runner_host_work_does_not_grow_with_requests(tiny_llama, async_scheduli
 
 
 def test_start_up_warm_up_of_mixed_steps_writes_nothing(tiny_llama):
-    """The start-up warm-up (dummy mixed steps: one per prefill tile configuration, then a chunk over each longer
-    context for split-K; then the sampler; run after CUDA graph capture) leaves the KV cache as it was and the
-    engine's output unchanged."""
+    """The start-up warm-up (dummy mixed steps: each prefill tile configuration over a short context and over
+    each longer one, for split-K; then the sampler; run after CUDA graph capture) leaves the KV cache as it was
+    and the engine's output unchanged."""
     llm = _llm(tiny_llama, True)
     prompts = _prompts(3, seed=5)
     params = SamplingParams(temperature=0.0, max_tokens=6)
@@ -190,8 +190,9 @@ def test_start_up_warm_up_of_mixed_steps_writes_nothing(tiny_llama):
     runner._dummy_mixed_step = lambda chunk, seq_len: steps.append((chunk, seq_len)) or real(chunk, seq_len)
     runner._warm_up_eager_steps()
     assert runner.max_model_len == 512
-    # every prefill tile configuration, then split-K over the longest contexts (a chunk of 64 over 512 tokens)
-    assert steps == [(2, 2), (4, 4), (8, 8), (16, 16), (32, 32), (64, 64), (64, 512)]
+    # every prefill tile configuration over a short context (no split) and over each longer one (split-K): a
+    # request's last few prompt tokens over a long context split their keys too
+    assert steps == [(c, n) for c in (2, 4, 8, 16, 32, 64) for n in (c, 512)]
     assert all(torch.equal(a, b) for a, b in zip(caches, runner.kv_caches, strict=True))
     after = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
     assert after == before

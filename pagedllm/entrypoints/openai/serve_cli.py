@@ -18,6 +18,7 @@ import signal
 import socket
 from typing import Any
 
+from pagedllm.engine import core_launch
 from pagedllm.engine.arg_utils import add_engine_args, engine_kwargs_from_args, resolve_model_arg
 
 logger = logging.getLogger("pagedllm.server")
@@ -166,10 +167,6 @@ def main(args: argparse.Namespace) -> int:
             )
         kwargs = engine_kwargs_from_args(args)
         kwargs["served_model_name"] = served_model_names[0]
-        from pagedllm.config import make_engine_config
-
-        config = make_engine_config(model, **kwargs, usage_context="api_server")
-        config.model_config.max_logprobs = args.max_logprobs  # read by the InputProcessor
     except ValueError as e:
         print(f"pagedllm serve: error: {e}", flush=True)
         return 2
@@ -178,6 +175,27 @@ def main(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"pagedllm serve: error: cannot listen on {args.host}:{args.port}: {e}", flush=True)
         return 1
+    recipe = core_launch.ConfigRecipe(
+        model, {**kwargs, "usage_context": "api_server"}, {"max_logprobs": args.max_logprobs}
+    )
+    launched = None
+    if kwargs.get("data_parallel_size", 1) == 1 and all(
+        os.path.isdir(p) for p in (model, kwargs.get("tokenizer") or model)
+    ):
+        # The engine core starts now and builds its config itself, while this process imports transformers
+        # and the tokenizer to build the same one (9-12 s on the lent GPU hosts). Local models only: a hub
+        # model is downloaded once, here, before its core starts.
+        launched = core_launch.launch(recipe)
+    try:
+        config = recipe.build()
+    except BaseException as e:
+        sock.close()
+        if launched is not None:
+            launched.discard()
+        if not isinstance(e, ValueError):
+            raise
+        print(f"pagedllm serve: error: {e}", flush=True)
+        return 2
     signal.signal(signal.SIGTERM, _raise_system_exit)
     try:
         return asyncio.run(
@@ -188,6 +206,7 @@ def main(args: argparse.Namespace) -> int:
                 served_model_names=served_model_names,
                 api_key=api_key,
                 chat_template=chat_template,
+                launched=launched,
             )
         )
     except KeyboardInterrupt:
@@ -197,6 +216,8 @@ def main(args: argparse.Namespace) -> int:
         return 1
     finally:
         sock.close()
+        if launched is not None:
+            launched.discard()  # when the engine never adopted it
 
 
 async def _serve(
@@ -207,6 +228,7 @@ async def _serve(
     served_model_names: list[str],
     api_key: str | None,
     chat_template: str | None,
+    launched: core_launch.LaunchedCore | None = None,
 ) -> int:
     from pagedllm.engine.async_llm import AsyncLLM
     from pagedllm.metrics import LoggingStatLogger, PrometheusStatLogger
@@ -218,6 +240,7 @@ async def _serve(
         log_requests=not args.disable_log_requests,
         stat_loggers=stat_loggers,
         while_starting=_import_http_stack,
+        launched=launched,
     )
     try:
         from pagedllm.entrypoints.openai.api_server import run_server
