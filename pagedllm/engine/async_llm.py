@@ -75,8 +75,8 @@ class AsyncLLM:
         launched: LaunchedCore | None = None,
     ) -> None:
         """``while_starting``: more work to run while the engine core process starts (after the tokenizer loads),
-        e.g. the server's own imports. ``launched``: the core process, already started with this config (or its
-        ``ConfigRecipe``) by ``core_launch.launch``; one GPU engine only (no data parallelism)."""
+        e.g. the server's own imports. ``launched``: the core process, already started with this config by
+        ``core_launch.launch``; one engine only (no data parallelism)."""
         self.config = config
         self.model_config = config.model_config
         self.log_requests = log_requests

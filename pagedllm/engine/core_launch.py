@@ -4,10 +4,9 @@ importing its own modules and building the config, then waits on stdin for its a
 Standard library only, so ``pagedllm serve`` can call ``prespawn()`` before anything heavy is imported. A spare
 that is never used exits by itself when the parent closes its stdin (at the parent's exit at the latest).
 
-``launch()`` sends a core its arguments and returns the ``LaunchedCore`` that ``EngineCoreClient`` adopts. The
-config it sends may be a ``ConfigRecipe`` (the engine arguments, which the core turns into its config itself):
-then ``pagedllm serve`` starts the core as soon as its flags are checked, before its own slow imports (transformers
-and the tokenizer: 9-12 s on the lent GPU hosts, during which the core used to wait).
+``launch()`` sends a core its arguments and returns the ``LaunchedCore`` that ``EngineCoreClient`` adopts:
+``pagedllm serve`` launches the core as soon as its config is built, before it imports the engine client, the
+tokenizer and the server, which then load while the core loads the model.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -34,15 +33,11 @@ _CHILD_CODE = (
 _spare: tuple[subprocess.Popen, int] | None = None
 
 
-def spawn(*, for_recipe: bool = False) -> tuple[subprocess.Popen, int]:
-    """A fresh core interpreter and the read end of a pipe that reaches EOF when it exits (its sentinel).
-    ``for_recipe``: it also imports what building a config takes (transformers' AutoConfig) before it waits,
-    for a ``ConfigRecipe`` that comes seconds later."""
+def spawn() -> tuple[subprocess.Popen, int]:
+    """A fresh core interpreter and the read end of a pipe that reaches EOF when it exits (its sentinel)."""
     read_fd, write_fd = os.pipe()
     env = dict(os.environ)
     env["PAGEDLLM_CORE_SYS_PATH"] = json.dumps(sys.path)
-    if for_recipe:
-        env["PAGEDLLM_CORE_IMPORT_CONFIG"] = "1"
     try:
         popen = subprocess.Popen(
             [sys.executable, "-c", _CHILD_CODE],
@@ -57,10 +52,10 @@ def spawn(*, for_recipe: bool = False) -> tuple[subprocess.Popen, int]:
 
 
 def prespawn() -> None:
-    """Start one core interpreter now, for the next ``take()`` (`pagedllm serve`'s, which sends a recipe)."""
+    """Start one core interpreter now, for the next ``take()``."""
     global _spare
     if _spare is None:
-        _spare = spawn(for_recipe=True)
+        _spare = spawn()
 
 
 def take() -> tuple[subprocess.Popen, int]:
@@ -72,26 +67,6 @@ def take() -> tuple[subprocess.Popen, int]:
             return spare
         os.close(spare[1])
     return spawn()
-
-
-@dataclass(frozen=True)
-class ConfigRecipe:
-    """``make_engine_config(model, **kwargs)``, run by the core itself, then ``model_config_attrs`` set on its
-    model config. The API process builds its own config from the same recipe: both are the same function of the
-    same arguments and environment (the core interpreter inherited the environment at spawn)."""
-
-    model: str
-    kwargs: dict[str, Any]
-    model_config_attrs: dict[str, Any] = field(default_factory=dict)
-
-    def build(self) -> Any:
-        """The ``EngineConfig`` (raises ``ValueError`` for bad arguments)."""
-        from pagedllm.config import make_engine_config
-
-        config = make_engine_config(self.model, **self.kwargs)
-        for name, value in self.model_config_attrs.items():
-            setattr(config.model_config, name, value)
-        return config
 
 
 @dataclass
@@ -126,7 +101,7 @@ class LaunchedCore:
 
 def launch(config: Any, core_cls_path: str = DEFAULT_ENGINE_CORE) -> LaunchedCore:
     """Send a core interpreter (the pre-spawned one if live, else a fresh one) its arguments: ``config`` (an
-    ``EngineConfig`` or a ``ConfigRecipe``) and the addresses to bind."""
+    ``EngineConfig``) and the addresses to bind."""
     tmpdir = tempfile.mkdtemp(prefix="pagedllm-core-")  # created 0700
     popen, sentinel = take()
     core = LaunchedCore(popen, sentinel, tmpdir, core_cls_path)

@@ -190,7 +190,7 @@ class _CoreLoop:
 
 
 def run_engine_core(
-    config: EngineConfig | core_launch.ConfigRecipe,
+    config: EngineConfig,
     input_addr: str,
     output_addr: str,
     ready_addr: str,
@@ -225,10 +225,6 @@ def run_engine_core(
     core = None
     try:
         try:
-            if isinstance(config, core_launch.ConfigRecipe):  # `pagedllm serve`: the core builds its own config
-                t0 = time.perf_counter()
-                config = config.build()
-                logger.info("engine config built in %.2f s", time.perf_counter() - t0)
             device = config.device_config.device
             if device.type == "cuda" and device.index is not None:
                 # Triton launches on the current device: a data-parallel rank's process works on cuda:<rank>.
@@ -322,14 +318,11 @@ def _child_main(started_at: float | None = None) -> None:
     may come seconds later: see core_launch.py), then run the core."""
     global _imports_done_at, _interpreter_started_at
     _interpreter_started_at = time.time() if started_at is None else started_at
-    # The engine's own imports, while the parent is still busy. A config arrives without transformers classes
-    # (see PlainHFConfig); a ConfigRecipe needs AutoConfig, imported here too for `pagedllm serve`'s spare.
+    # The engine's own imports, while the parent is still busy (the config arrives without transformers
+    # classes: see PlainHFConfig).
     import pagedllm.engine.engine_core  # noqa: F401
     import pagedllm.model_loader  # noqa: F401
     import pagedllm.models.registry  # noqa: F401
-
-    if os.environ.pop("PAGEDLLM_CORE_IMPORT_CONFIG", None):  # a ConfigRecipe will come (core_launch.spawn)
-        from transformers import AutoConfig  # noqa: F401
 
     _imports_done_at = time.time()  # the start-up log says how long the core then waited for the parent
     try:
@@ -375,8 +368,8 @@ class EngineCoreClient:
     ) -> None:
         """Start the core process and wait until it is ready. ``while_starting`` runs here meanwhile (the
         front-end's own set-up, e.g. loading the tokenizer, overlaps the model load). ``launched``: a core
-        already sent its arguments (``core_launch.launch``; ``pagedllm serve`` starts it before building
-        ``config``), adopted instead of starting one; it must run ``core_cls_path`` with this ``config``."""
+        already sent its arguments (``core_launch.launch``; ``pagedllm serve`` starts it before importing this
+        module's users), adopted instead of starting one; it must run ``core_cls_path`` with this ``config``."""
         self._state = _ClientState()
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -80,10 +80,10 @@ def test_serve_entry_point_leaves_the_http_stack_for_later():
     assert out.stdout.strip() == "[]"
 
 
-def test_serve_launches_the_engine_core_before_importing_transformers(tiny_llama):
-    """`pagedllm serve MODEL_DIR` hands the engine core its arguments (a ConfigRecipe, which the core turns into
-    its config) before this process imports transformers and the tokenizer, so the core loads the model meanwhile
-    (on the lent GPU hosts those imports took 9-12 s, during which the core used to wait)."""
+def test_serve_launches_the_engine_core_before_importing_the_engine_client(tiny_llama):
+    """`pagedllm serve` hands the engine core its config as soon as the config is built, before this process
+    imports the engine client, the tokenizer and the server: the core loads the model meanwhile (on the lent GPU
+    hosts those imports took seconds, which the core used to wait out)."""
     code = f"""
 import argparse, sys
 from pagedllm.engine import core_launch
@@ -91,10 +91,12 @@ from pagedllm.entrypoints.openai import serve_cli
 class Launched(Exception):
     pass
 def spy(config, *args):
-    print(type(config).__name__, sorted(m for m in ("transformers", "pagedllm.tokenizer") if m in sys.modules))
+    late = ("pagedllm.engine.async_llm", "pagedllm.tokenizer", "fastapi", "pagedllm.entrypoints.openai.api_server")
+    print(type(config).__name__, sorted(m for m in late if m in sys.modules))
     raise Launched
 core_launch.launch = spy
-serve_cli._bind = lambda host, port: None
+serve_cli._bind = lambda host, port: type("Socket", (), {{"close": lambda self: None}})()
+serve_cli.signal.signal = lambda *a: None
 parser = argparse.ArgumentParser()
 serve_cli.add_cli_args(parser)
 try:
@@ -105,7 +107,7 @@ except Launched:
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO_ROOT)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip().splitlines()[-1] == "ConfigRecipe []"
+    assert out.stdout.strip().splitlines()[-1] == "EngineConfig []"
 
 
 def test_serve_without_the_server_extras_says_so(tiny_llama, monkeypatch, capsys):

@@ -167,6 +167,10 @@ def main(args: argparse.Namespace) -> int:
             )
         kwargs = engine_kwargs_from_args(args)
         kwargs["served_model_name"] = served_model_names[0]
+        from pagedllm.config import make_engine_config
+
+        config = make_engine_config(model, **kwargs, usage_context="api_server")
+        config.model_config.max_logprobs = args.max_logprobs  # read by the InputProcessor
     except ValueError as e:
         print(f"pagedllm serve: error: {e}", flush=True)
         return 2
@@ -175,29 +179,13 @@ def main(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"pagedllm serve: error: cannot listen on {args.host}:{args.port}: {e}", flush=True)
         return 1
-    recipe = core_launch.ConfigRecipe(
-        model, {**kwargs, "usage_context": "api_server"}, {"max_logprobs": args.max_logprobs}
-    )
+    # One engine core: launched now, so that it loads the model while this process imports the engine client,
+    # the tokenizer and the server (seconds on the lent GPU hosts, which the core used to wait out).
     launched = None
-    if kwargs.get("data_parallel_size", 1) == 1 and all(
-        os.path.isdir(p) for p in (model, kwargs.get("tokenizer") or model)
-    ):
-        # The engine core starts now and builds its config itself, while this process imports transformers
-        # and the tokenizer to build the same one (9-12 s on the lent GPU hosts). Local models only: a hub
-        # model is downloaded once, here, before its core starts.
-        launched = core_launch.launch(recipe)
-    try:
-        config = recipe.build()
-    except BaseException as e:
-        sock.close()
-        if launched is not None:
-            launched.discard()
-        if not isinstance(e, ValueError):
-            raise
-        print(f"pagedllm serve: error: {e}", flush=True)
-        return 2
     signal.signal(signal.SIGTERM, _raise_system_exit)
     try:
+        if config.data_parallel_size == 1:
+            launched = core_launch.launch(config)
         return asyncio.run(
             _serve(
                 args,
