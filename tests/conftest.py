@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,10 @@ if _ROOT not in sys.path:  # so `from tests.utils import ...` works under plain 
     sys.path.insert(0, _ROOT)
 
 from tests.utils import TINY_ARCHS, make_tiny_model  # noqa: E402
+
+# `pagedllm serve` keeps engine configs between starts (core_launch's config cache): the tests' servers keep theirs
+# in a directory of this run, not in the user's cache.
+os.environ.setdefault("PAGEDLLM_CACHE_DIR", tempfile.mkdtemp(prefix="pagedllm-test-cache-"))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -11,6 +11,7 @@ tokenizer and the server, which then load while the core loads the model.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -118,3 +119,71 @@ def launch(config: Any, core_cls_path: str = DEFAULT_ENGINE_CORE) -> LaunchedCor
         raise
     logger.info("engine core process launched")
     return core
+
+
+# ------------------------------------------------------------------------------------ the serve config cache
+# Building an engine config imports transformers' config machinery: 8-10 s on the lent GPU hosts, the largest
+# part of `pagedllm serve`'s start-up. The config a start sends its core (pickled, its HF config as plain data) is
+# kept under a key of the start's inputs; the next start with the same inputs launches its core with the kept
+# config at once, builds its own meanwhile and compares: any difference discards that core and launches one with
+# the new config (slower, never wrong). PAGEDLLM_SERVE_CONFIG_CACHE=0 turns it off; PAGEDLLM_CACHE_DIR moves it.
+
+
+def config_cache_key(model: str, kwargs: dict[str, Any], extra: dict[str, Any]) -> str | None:
+    """A key for the config that ``make_engine_config(model, **kwargs)`` gives, or None (no cache: a model that
+    is not a local directory with a config.json, or the cache turned off). ``extra``: what else the caller sets."""
+    if os.environ.get("PAGEDLLM_SERVE_CONFIG_CACHE", "1") == "0":
+        return None
+    config_json = os.path.join(model, "config.json")
+    if not os.path.isfile(config_json):
+        return None
+    from importlib import metadata
+
+    def version(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return ""
+
+    with open(config_json, "rb") as f:
+        config_digest = hashlib.sha256(f.read()).hexdigest()
+    inputs = {
+        "model": os.path.abspath(model),
+        "config.json": config_digest,
+        "kwargs": repr(sorted(kwargs.items())),
+        "extra": repr(sorted(extra.items())),
+        "env": sorted((k, v) for k, v in os.environ.items() if k.startswith(("PAGEDLLM_", "CUDA_", "HIP_"))),
+        "versions": [version(d) for d in ("pagedllm", "transformers", "torch")],
+        "python": sys.version,
+    }
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _config_cache_dir() -> str:
+    """``$PAGEDLLM_CACHE_DIR/serve_configs`` (default ``$XDG_CACHE_HOME/pagedllm``, else ``~/.cache/pagedllm``)."""
+    root = os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "pagedllm"
+    )
+    return os.path.join(root, "serve_configs")
+
+
+def load_cached_config(key: str) -> bytes | None:
+    """The pickled config kept under ``key``, or None."""
+    try:
+        with open(os.path.join(_config_cache_dir(), key + ".pkl"), "rb") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def store_cached_config(key: str, data: bytes) -> None:
+    """Keep ``data`` under ``key`` (atomically; a failure to write is only logged)."""
+    directory = _config_cache_dir()
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")  # created 0600
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, os.path.join(directory, key + ".pkl"))
+    except OSError as e:
+        logger.warning("could not keep the engine config for the next start: %s", e)

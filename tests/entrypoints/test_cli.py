@@ -80,10 +80,11 @@ def test_serve_entry_point_leaves_the_http_stack_for_later():
     assert out.stdout.strip() == "[]"
 
 
-def test_serve_launches_the_engine_core_before_importing_the_engine_client(tiny_llama):
-    """`pagedllm serve` hands the engine core its config as soon as the config is built, before this process
-    imports the engine client, the tokenizer and the server: the core loads the model meanwhile (on the lent GPU
-    hosts those imports took seconds, which the core used to wait out)."""
+def test_serve_launches_the_engine_core_before_its_slow_imports(tiny_llama, tmp_path):
+    """`pagedllm serve` hands the engine core its config before this process imports the engine client, the
+    tokenizer and the server; and, when an earlier start with the same inputs kept its config, before it imports
+    transformers to build its own (core_launch's config cache). The core loads the model meanwhile: on the lent
+    GPU hosts the config alone took 8-10 s, which the core used to wait out."""
     code = f"""
 import argparse, sys
 from pagedllm.engine import core_launch
@@ -91,7 +92,7 @@ from pagedllm.entrypoints.openai import serve_cli
 class Launched(Exception):
     pass
 def spy(config, *args):
-    late = ("pagedllm.engine.async_llm", "pagedllm.tokenizer", "fastapi", "pagedllm.entrypoints.openai.api_server")
+    late = ("transformers", "pagedllm.engine.async_llm", "pagedllm.tokenizer", "fastapi")
     print(type(config).__name__, sorted(m for m in late if m in sys.modules))
     raise Launched
 core_launch.launch = spy
@@ -104,10 +105,13 @@ try:
 except Launched:
     pass
 """
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO_ROOT)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip().splitlines()[-1] == "EngineConfig []"
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PAGEDLLM_CACHE_DIR": str(tmp_path)}
+    lines = []
+    for _ in range(2):  # the first start builds its config (and keeps it); the second finds it kept
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO_ROOT)
+        assert out.returncode == 0, out.stderr
+        lines.append(out.stdout.strip().splitlines()[-1])
+    assert lines == ["EngineConfig ['transformers']", "EngineConfig []"]
 
 
 def test_serve_without_the_server_extras_says_so(tiny_llama, monkeypatch, capsys):

@@ -14,6 +14,7 @@ import importlib.util
 import json
 import logging
 import os
+import pickle
 import signal
 import socket
 from typing import Any
@@ -167,10 +168,7 @@ def main(args: argparse.Namespace) -> int:
             )
         kwargs = engine_kwargs_from_args(args)
         kwargs["served_model_name"] = served_model_names[0]
-        from pagedllm.config import make_engine_config
-
-        config = make_engine_config(model, **kwargs, usage_context="api_server")
-        config.model_config.max_logprobs = args.max_logprobs  # read by the InputProcessor
+        kwargs["usage_context"] = "api_server"
     except ValueError as e:
         print(f"pagedllm serve: error: {e}", flush=True)
         return 2
@@ -179,12 +177,15 @@ def main(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"pagedllm serve: error: cannot listen on {args.host}:{args.port}: {e}", flush=True)
         return 1
-    # One engine core: launched now, so that it loads the model while this process imports the engine client,
-    # the tokenizer and the server (seconds on the lent GPU hosts, which the core used to wait out).
-    launched = None
-    signal.signal(signal.SIGTERM, _raise_system_exit)
+    launched: core_launch.LaunchedCore | None = None
     try:
-        if config.data_parallel_size == 1:
+        launched, config = _launch_and_configure(model, kwargs, args.max_logprobs)
+        if config is None:
+            return 2
+        signal.signal(signal.SIGTERM, _raise_system_exit)
+        if launched is None and config.data_parallel_size == 1:
+            # One engine core: launched now, so that it loads the model while this process imports the engine
+            # client, the tokenizer and the server.
             launched = core_launch.launch(config)
         return asyncio.run(
             _serve(
@@ -206,6 +207,55 @@ def main(args: argparse.Namespace) -> int:
         sock.close()
         if launched is not None:
             launched.discard()  # when the engine never adopted it
+
+
+def _launch_and_configure(
+    model: str, kwargs: dict[str, Any], max_logprobs: int
+) -> tuple[core_launch.LaunchedCore | None, Any]:
+    """Build the engine config (None after printing a refused flag), and launch the engine core with the config
+    an earlier start with the same inputs kept, if any, before building it (``core_launch``'s config cache): the
+    core then loads the model while this process imports transformers. A kept config that differs from the one
+    built here is replaced, and its core discarded; the caller launches one when none is returned."""
+    key = None
+    if kwargs.get("data_parallel_size", 1) == 1:
+        key = core_launch.config_cache_key(model, kwargs, {"max_logprobs": max_logprobs})
+    kept = core_launch.load_cached_config(key) if key is not None else None
+    launched = None
+    if kept is not None:
+        try:
+            kept_config = pickle.loads(kept)
+        except Exception as e:  # noqa: BLE001 - an unreadable kept config only costs the early launch
+            logger.warning("pagedllm serve: the kept engine config is unreadable (%r); building it", e)
+        else:
+            launched = core_launch.launch(kept_config)
+            logger.info("pagedllm serve: engine core launched with the config kept from an earlier start")
+    try:
+        from pagedllm.config import make_engine_config
+
+        try:
+            config = make_engine_config(model, **kwargs)
+        except ValueError as e:
+            print(f"pagedllm serve: error: {e}", flush=True)
+            if launched is not None:
+                launched.discard()
+            return None, None
+        config.model_config.max_logprobs = max_logprobs  # read by the InputProcessor
+        if key is not None:
+            data = pickle.dumps(config, protocol=pickle.HIGHEST_PROTOCOL)
+            if data != kept:
+                if launched is not None:
+                    logger.warning(
+                        "pagedllm serve: the kept engine config differs from this start's; the engine core "
+                        "starts again with this one"
+                    )
+                    launched.discard()
+                    launched = None
+                core_launch.store_cached_config(key, data)
+    except BaseException:
+        if launched is not None:
+            launched.discard()
+        raise
+    return launched, config
 
 
 async def _serve(
