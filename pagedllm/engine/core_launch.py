@@ -168,9 +168,14 @@ def _config_cache_dir() -> str:
 
 
 def load_cached_config(key: str) -> bytes | None:
-    """The pickled config kept under ``key``, or None."""
+    """The pickled config kept under ``key``, or None. Only a file of this user that no one else may write is
+    read: it is unpickled."""
     try:
         with open(os.path.join(_config_cache_dir(), key + ".pkl"), "rb") as f:
+            st = os.fstat(f.fileno())
+            if st.st_uid != os.getuid() or st.st_mode & 0o022:
+                logger.warning("ignoring the kept engine config %s: others may write it", f.name)
+                return None
             return f.read()
     except OSError:
         return None

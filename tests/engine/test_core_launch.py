@@ -175,3 +175,14 @@ def test_the_config_cache_key_follows_the_inputs(tiny_llama, tmp_path, monkeypat
     assert key(str(tmp_path), {}, {}) is None  # no config.json: a hub name or a bad path; built, not kept
     monkeypatch.setenv("PAGEDLLM_SERVE_CONFIG_CACHE", "0")
     assert key(tiny_llama, {"device": "cpu"}, {"max_logprobs": 20}) is None
+
+
+def test_a_kept_config_others_may_write_is_not_read(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    core_launch.store_cached_config("k", b"data")
+    path = tmp_path / "serve_configs" / "k.pkl"
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert core_launch.load_cached_config("k") == b"data"
+    path.chmod(0o666)
+    assert core_launch.load_cached_config("k") is None
+    assert core_launch.load_cached_config("missing") is None
