@@ -338,16 +338,16 @@ class ModelRunner:
     def _piecewise_wanted(self) -> bool:
         """Piecewise graphs (worker/piecewise_graphs.py) for the steps the decode graphs do not take: where decode
         graphs are, without LoRA or pipeline stages (neither is validated with them yet), unless
-        ``PAGEDLLM_PIECEWISE=0`` (a switch for A/B runs). Under tensor parallelism only with
-        ``PAGEDLLM_TP_PIECEWISE=1`` until a multi-GPU run validates it (tests/distributed/test_tp_gpu.py). MLA
-        plans attention on the host: it stays eager."""
+        ``PAGEDLLM_PIECEWISE=0`` (a switch for A/B runs). Under tensor parallelism too (validated against eager
+        TP=2 on two GPUs by tests/distributed/test_tp_gpu.py), unless ``PAGEDLLM_TP_PIECEWISE=0``. MLA plans
+        attention on the host: it stays eager."""
         if not self.allow_piecewise or not self._graphs_wanted() or self._is_mla():
             return False
         if self._graph_mode() not in ("FULL_AND_PIECEWISE", "PIECEWISE"):
             return False
         if self.lora_manager is not None or self.pp is not None:
             return False
-        if self.tp_size > 1 and os.environ.get("PAGEDLLM_TP_PIECEWISE", "0") != "1":
+        if self.tp_size > 1 and os.environ.get("PAGEDLLM_TP_PIECEWISE", "1") == "0":
             return False
         return os.environ.get("PAGEDLLM_PIECEWISE", "1") != "0"
 
@@ -360,7 +360,7 @@ class ModelRunner:
         if mode in ("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"):
             self._capture_decode_graphs()
         if not (self._piecewise_wanted() and self._capture_piecewise()) and mode == "PIECEWISE":
-            # Pieces are not available here (TP without PAGEDLLM_TP_PIECEWISE=1, LoRA, PP, MLA, a draft model, or a
+            # Pieces are not available here (TP with PAGEDLLM_TP_PIECEWISE=0, LoRA, PP, MLA, a draft model, or a
             # failed capture): decode graphs rather than none at all.
             logger.warning("cudagraph_mode PIECEWISE: no piecewise graphs here; decode graphs instead")
             self._capture_decode_graphs()

@@ -24,7 +24,7 @@ def _run(path: str, prompts: list[list[int]], **kw) -> tuple[list[list[int]], li
     assert llm.llm_engine.config.scheduler_config.async_scheduling  # the default on CUDA, under TP too
     try:
         graphs = getattr(core.runner, "graph_runner", None) is not None
-        piecewise = os.environ.get("PAGEDLLM_TP_PIECEWISE") == "1" and not kw.get("enforce_eager")
+        piecewise = os.environ.get("PAGEDLLM_TP_PIECEWISE", "1") != "0" and not kw.get("enforce_eager")
         params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         if piecewise:  # rank 0's runner replayed piecewise graphs
@@ -60,14 +60,14 @@ def test_tp2_cuda_graphs_match_tp1(tiny_model_dirs, arch):
 
 def test_tp2_piecewise_graphs_match_eager(tiny_model_dirs, monkeypatch):
     """Mixed steps (a 64-token budget chunks the prompts) replay piecewise graphs on both ranks, the all-reduces
-    captured inside the pieces (opt-in under TP: PAGEDLLM_TP_PIECEWISE=1): eager TP=2's tokens."""
+    captured inside the pieces (on by default under TP; PAGEDLLM_TP_PIECEWISE=0 switches them off): eager
+    TP=2's tokens."""
     path = tiny_model_dirs["llama"]
     rng = random.Random(2)
     prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (3, 140, 17, 90, 5, 64, 1, 200)]
     kw = {"tensor_parallel_size": 2, "max_num_batched_tokens": 64}
     monkeypatch.delenv("PAGEDLLM_TP_PIECEWISE", raising=False)
     ids_e, lps_e, _ = _run(path, prompts, enforce_eager=True, **kw)
-    monkeypatch.setenv("PAGEDLLM_TP_PIECEWISE", "1")
     ids_p, lps_p, graphs = _run(path, prompts, **kw)
     assert graphs
     _assert_close(ids_p, lps_p, ids_e, lps_e)

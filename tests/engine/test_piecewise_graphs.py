@@ -195,7 +195,7 @@ def test_attention_writes_into_a_given_output(cpu_runner):
 
 def test_piecewise_is_wanted_only_where_validated(cpu_runner, monkeypatch):
     """On a (pretend) CUDA device with the Triton backend: on by default; off with PAGEDLLM_PIECEWISE=0, eager
-    mode, LoRA, an EAGLE draft or an MLA model; under tensor parallelism only with PAGEDLLM_TP_PIECEWISE=1."""
+    mode, LoRA, an EAGLE draft or an MLA model; under tensor parallelism unless PAGEDLLM_TP_PIECEWISE=0."""
     from types import SimpleNamespace
 
     monkeypatch.delenv("PAGEDLLM_PIECEWISE", raising=False)
@@ -208,7 +208,6 @@ def test_piecewise_is_wanted_only_where_validated(cpu_runner, monkeypatch):
     assert not cpu_runner._piecewise_wanted()
     monkeypatch.delenv("PAGEDLLM_PIECEWISE")
     for attr, value in (
-        ("tp_size", 2),
         ("lora_manager", object()),
         ("keep_hidden", True),
         ("allow_piecewise", False),
@@ -216,10 +215,11 @@ def test_piecewise_is_wanted_only_where_validated(cpu_runner, monkeypatch):
         with monkeypatch.context() as m:
             m.setattr(cpu_runner, attr, value)
             assert not cpu_runner._piecewise_wanted(), attr
-    with monkeypatch.context() as m:  # tensor parallelism: opt-in until a multi-GPU run validates it
+    with monkeypatch.context() as m:  # tensor parallelism: on, unless switched off
         m.setattr(cpu_runner, "tp_size", 2)
-        m.setenv("PAGEDLLM_TP_PIECEWISE", "1")
         assert cpu_runner._piecewise_wanted()
+        m.setenv("PAGEDLLM_TP_PIECEWISE", "0")
+        assert not cpu_runner._piecewise_wanted()
     with monkeypatch.context() as m:
         m.setattr(cpu_runner.config, "enforce_eager", True)
         assert not cpu_runner._piecewise_wanted()
