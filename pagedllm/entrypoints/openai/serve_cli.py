@@ -1,9 +1,10 @@
 """`pagedllm serve`'s entry point: the flags, their checks, the engine config, then the server.
 
-Kept free of FastAPI, uvicorn and the OpenAI protocol models: the engine core process gets its config as soon as the
-flags are checked, and those modules (``api_server``) are imported while it loads the model and sizes its KV cache
-(``AsyncLLM(while_starting=...)``), instead of before. The core process itself was started at the command's first
-line (``core_launch.prespawn``) and imported the engine meanwhile.
+Kept free of FastAPI, uvicorn and the OpenAI protocol models: the engine core process gets its config as soon as it
+is built (or, when an earlier start with the same inputs kept one, as soon as the flags are checked: see
+``_launch_and_configure``), and those modules (``api_server``) are imported while it loads the model and sizes its
+KV cache (``AsyncLLM(while_starting=...)``), instead of before. The core process itself was started at the
+command's first line (``core_launch.prespawn``) and imported the engine meanwhile.
 """
 
 from __future__ import annotations
@@ -232,13 +233,7 @@ def _launch_and_configure(
     try:
         from pagedllm.config import make_engine_config
 
-        try:
-            config = make_engine_config(model, **kwargs)
-        except ValueError as e:
-            print(f"pagedllm serve: error: {e}", flush=True)
-            if launched is not None:
-                launched.discard()
-            return None, None
+        config = make_engine_config(model, **kwargs)
         config.model_config.max_logprobs = max_logprobs  # read by the InputProcessor
         if key is not None:
             data = pickle.dumps(config, protocol=pickle.HIGHEST_PROTOCOL)
@@ -251,10 +246,13 @@ def _launch_and_configure(
                     launched.discard()
                     launched = None
                 core_launch.store_cached_config(key, data)
-    except BaseException:
+    except BaseException as e:
         if launched is not None:
             launched.discard()
-        raise
+        if not isinstance(e, ValueError):
+            raise
+        print(f"pagedllm serve: error: {e}", flush=True)  # a flag the config refuses
+        return None, None
     return launched, config
 
 
