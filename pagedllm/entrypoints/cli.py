@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import os
 import sys
 from typing import Any
@@ -28,6 +29,22 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
         "seconds from `pagedllm serve` to the first completed request",
     ),
 }
+
+
+# The modules `pagedllm serve` needs beyond the engine (import name -> distribution): the HTTP stack and the
+# engine core process's transport. Dependencies of pagedllm; checked before anything starts, for a broken install.
+SERVE_MODULES: dict[str, str] = {
+    "fastapi": "fastapi",
+    "uvicorn": "uvicorn",
+    "pydantic": "pydantic",
+    "zmq": "pyzmq",
+    "prometheus_client": "prometheus_client",
+}
+
+
+def missing_serve_modules() -> list[str]:
+    """The distributions `pagedllm serve` needs that this Python cannot import (a find_spec each: no imports)."""
+    return [dist for name, dist in SERVE_MODULES.items() if importlib.util.find_spec(name) is None]
 
 
 class _Command:
@@ -87,6 +104,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     words = _positionals(argv)
     if words[:1] == ["serve"] and "-h" not in argv and "--help" not in argv:
+        missing = missing_serve_modules()
+        if missing:  # one line, before an engine core process is started (it would fail on them with a traceback)
+            print(
+                f"pagedllm serve: unavailable (missing {', '.join(missing)}; "
+                "pip install pagedllm installs them, or run tools/setup.sh)",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 1
         from pagedllm.engine import core_launch
 
         core_launch.prespawn()  # the core imports torch and the engine while we import the server

@@ -24,16 +24,25 @@ def free_port() -> int:
 
 
 class RemoteServer:
-    """`python -m pagedllm.entrypoints.cli serve MODEL ...` with its output in ``log_path``."""
+    """`python -m pagedllm.entrypoints.cli serve MODEL ...` with its output in ``log_path``.
+
+    ``command`` replaces ``python -m pagedllm.entrypoints.cli`` (e.g. another environment's ``pagedllm``) and
+    ``env`` this process's environment; this checkout is put on PYTHONPATH only with neither given."""
 
     def __init__(
-        self, model: str | None, log_path: Path, extra_args: list[str] = (), api_key: str | None = API_KEY
+        self,
+        model: str | None,
+        log_path: Path,
+        extra_args: list[str] = (),
+        api_key: str | None = API_KEY,
+        command: list[str] | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.port = free_port()
         self.api_key = api_key
         self.log_path = log_path
         cmd = [
-            sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", *([model] if model else []),
+            *(command or [sys.executable, "-m", "pagedllm.entrypoints.cli"]), "serve", *([model] if model else []),
             "--device", "cpu", "--dtype", "float32", "--block-size", "16",
             "--kv-cache-memory-bytes", str(8 << 20), "--port", str(self.port),
             "--uvicorn-log-level", "warning", "--disable-log-requests",
@@ -41,9 +50,11 @@ class RemoteServer:
         ]  # fmt: skip
         if api_key is not None:
             cmd += ["--api-key", api_key]
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
-        env.pop("PAGEDLLM_API_KEY", None)
+        if env is None:
+            env = dict(os.environ)
+            if command is None:
+                env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+        env = {k: v for k, v in env.items() if k != "PAGEDLLM_API_KEY"}
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
         self._wait_healthy(timeout_s=180.0)

@@ -114,22 +114,23 @@ except Launched:
     assert lines == ["EngineConfig ['transformers']", "EngineConfig []"]
 
 
-def test_serve_without_the_server_extras_says_so(tiny_llama, monkeypatch, capsys):
-    """Without fastapi (or uvicorn, pydantic) `pagedllm serve` stops at once, naming what is missing, before it
-    binds a port or starts an engine."""
+def test_serve_with_a_missing_dependency_says_so_in_one_line(monkeypatch, capsys):
+    """A broken install (no fastapi, or no pyzmq) makes `pagedllm serve` stop at once with one line naming what is
+    missing: before it starts an engine core process (which would fail on it with a traceback) or binds a port."""
     import importlib.util
 
-    from pagedllm.entrypoints.openai import serve_cli
+    from pagedllm.engine import core_launch
 
     real_find_spec = importlib.util.find_spec
+    gone = {"fastapi", "zmq"}
     monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name == "fastapi" else real_find_spec(name, *a)
+        importlib.util, "find_spec", lambda name, *a: None if name in gone else real_find_spec(name, *a)
     )
-    monkeypatch.setattr(serve_cli, "_bind", lambda *a: pytest.fail("bound a port"))
-    parser = argparse.ArgumentParser()
-    serve_cli.add_cli_args(parser)
-    assert serve_cli.main(parser.parse_args([tiny_llama])) == 1
-    assert "unavailable (missing fastapi" in capsys.readouterr().out
+    monkeypatch.setattr(core_launch, "prespawn", lambda: pytest.fail("started an engine core"))
+    assert cli.main(["serve", "--port", "0"]) == 1
+    err = capsys.readouterr().err
+    assert "unavailable (missing fastapi, pyzmq" in err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_chat_repl(tiny_llama):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import logging
 import os
@@ -138,19 +137,9 @@ def _raise_system_exit(signum: int, frame: Any) -> None:
     raise SystemExit(0)
 
 
-_HTTP_MODULES = ("fastapi", "uvicorn", "pydantic")
-
-
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     logger.info("pagedllm serve: arguments parsed")
-    missing = [m for m in _HTTP_MODULES if importlib.util.find_spec(m) is None]
-    if missing:  # they are imported only once the engine starts: say so before anything else happens
-        print(
-            f"pagedllm serve: unavailable (missing {', '.join(missing)}; pip install pagedllm[serve])",
-            flush=True,
-        )
-        return 1
     api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
     try:
         model = resolve_model_arg(args)
