@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# A/B of issue 9's throughput and latency rows on one machine: this tree ("new") against another checkout ("old", e.g.
-# `git archive HEAD~1 pagedllm | tar -x -C _ab_old`), in one device call, the order rotating each round.
-#   OLD=_ab_old ROUNDS=2 [VARIANTS="name:VAR=value ..."] OUT=DIR bash benchmarks/gpu_ab.sh [qwen-tp] [qwen-nano] [llama-tp]
+# A/B of the headline table's throughput and latency rows on one machine: this tree ("new") against another
+# checkout ("old", e.g. `git archive HEAD~1 pagedllm | tar -x -C _ab_old`), in one device call, the order rotating
+# each round.
+#   OLD=_ab_old ROUNDS=2 [VARIANTS="name:VAR=value ..."] OUT=DIR bash benchmarks/gpu.sh ab [qwen-tp] [qwen-nano] [llama-tp]
 #     [qwen-lat] [llama-lat]   (more sides: VARIANTS="name:VAR=value ..." and CHECKOUTS="name:dir ...", below)
 # Each row's log is $OUT/ab_<row>_<new|old>_<round>.log; the summary lines print as they come.
 set -uo pipefail
@@ -22,7 +23,8 @@ declare -A spec=(
 )
 # Sides: "new", "old", and each VARIANTS entry "name:VAR=value[,VAR=value...]" (this tree with those environment
 # variables, e.g. VARIANTS="nopdl:PAGEDLLM_PDL=0 nokv:PAGEDLLM_ROPE_WRITES_KV=0"). The order rotates by one side
-# each round, so no side always runs first (session 13 saw the side that ran first come out lower in every round).
+# each round, so no side always runs first (an earlier A/B saw the side that ran first come out lower in every
+# round).
 sides=(new old)
 declare -A side_env=() side_dir=([new]=$PWD [old]=$old_dir)
 for v in ${VARIANTS:-}; do sides+=("${v%%:*}"); side_env[${v%%:*}]="${v#*:}"; side_dir[${v%%:*}]=$PWD; done

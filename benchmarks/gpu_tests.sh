@@ -2,16 +2,14 @@
 # The whole GPU test suite (`pytest -m gpu tests/`) in one device call: five pytest processes share the GPU (the
 # tests' models are tiny; most of the time is Triton compiling, which the machine's CPU cores do side by side).
 # Each group's log goes to $OUT (or .out/) as gpu_tests_<group>.log; the script exits non-zero if any group fails.
-#   bash benchmarks/gpu_tests.sh [GROUP...]     (attention_kernel, kernels, small_kernels, engine, models; default all)
+#   bash benchmarks/gpu_tests.sh [GROUP...]     (or bash benchmarks/gpu.sh tests [GROUP...])
+# GROUP: attention_kernel, kernels, small_kernels, engine, models; default all.
 # The structured-output tests need xgrammar and jsonschema and the server tests fastapi and openai: carry their
 # wheels (../shared/device/gpu-wheels.sh jsonschema referencing rpds-py jsonschema-specifications attrs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source benchmarks/lib.sh "$@"
-if [ -d .whl ] && ! $py -c "import xgrammar, jsonschema" 2>/dev/null; then
-  $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH="/tmp/site:$PYTHONPATH"
-fi
+use_wheels "xgrammar, jsonschema"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 k=tests/kernels
 groups=(

@@ -1,14 +1,15 @@
 """The host work of a JSON-schema-constrained decode step, without a model or a GPU.
 
-Issue 10's workload (benchmarks/gpu_issue10.sh): 256 requests, each constrained to ``DEFAULT_JSON_SCHEMA`` of
-``pagedllm.benchmarks.throughput``, decoding with random weights, so almost every row sits inside the ``name``
-string. Each decode step the engine core (async scheduling) advances every row's matcher by the token it sampled
-(``GrammarState.accept``) and then fills the next step's bitmask (``grammar_bitmask_async``); that host work,
-not the forward pass, bounds a constrained step. This script does exactly that through pagedllm's own
-``StructuredOutputManager`` / ``GrammarState``:
+The structured-output suite's workload (``bash benchmarks/gpu.sh structured``): 256 requests, each constrained to
+``DEFAULT_JSON_SCHEMA`` of ``pagedllm.benchmarks.throughput``, decoding with random weights, so almost every row
+sits inside the ``name`` string. Each decode step the engine core (async scheduling) advances every row's matcher
+by the token it sampled (``GrammarState.accept``) and then fills the next step's bitmask
+(``grammar_bitmask_async``); that host work, not the forward pass, bounds a constrained step. This script does
+exactly that through pagedllm's own ``StructuredOutputManager`` / ``GrammarState``:
 
-1. a byte-level BPE the way gpu_issue10.sh trains it (151,643 tokens from ~120 MB of the image's Python sources;
-   ``--vocab-size 32000 --corpus-mb 30`` for a quick run; ``--tokenizer DIR`` loads DIR, or trains into it once);
+1. a byte-level BPE the way the structured suite trains it (151,643 tokens from ~120 MB of the image's Python
+   sources; ``--vocab-size 32000 --corpus-mb 30`` for a quick run; ``--tokenizer DIR`` loads DIR, or trains into it
+   once);
 2. ``--rows`` states of one compiled grammar, each fed ``[{"id": <n>, "name": "`` and then ``--warmup-steps``
    tokens drawn uniformly from its mask (what a random-weight model does): rows end up mid-string;
 3. a token trajectory of ``--steps`` more steps drawn the same way, replayed for every fill thread count
@@ -46,8 +47,9 @@ QWEN3_MODEL_VOCAB = 151_936  # the model's logits (and so the bitmask) span this
 
 
 def train_tokenizer(out_dir: str, vocab_size: int, corpus_mb: float) -> None:
-    """gpu_issue10.sh's tokenizer: a byte-level BPE trained on the standard library's and the installed packages'
-    Python sources (sorted, so the same image gives the same tokenizer), saved as a transformers tokenizer."""
+    """The structured suite's tokenizer: a byte-level BPE trained on the standard library's and the installed
+    packages' Python sources (sorted, so the same image gives the same tokenizer), saved as a transformers
+    tokenizer."""
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -202,7 +204,7 @@ def run(
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--vocab-size", type=int, default=QWEN3_TOKENIZER_SIZE, help="BPE size when training")
-    ap.add_argument("--corpus-mb", type=float, default=120, help="training text (gpu_issue10.sh: 120)")
+    ap.add_argument("--corpus-mb", type=float, default=120, help="training text (the structured suite: 120)")
     ap.add_argument("--tokenizer", default=None, help="a tokenizer directory to load (trained into it if absent)")
     ap.add_argument("--model-vocab-size", type=int, default=None,
                     help="bitmask width (default: 151,936 for a 151,643-token BPE, as Qwen3; else the tokenizer's)")

@@ -28,7 +28,7 @@ def test_default_model_is_the_bundled_one(demo_llm):
 
 
 def test_demo_target_draft_and_head_fit_together():
-    """Issue 11's demo trio: a 15-20M-parameter target under 2.2 nats/token on the held-out stdlib files, the small
+    """The demo trio: a 15-20M-parameter target under 2.2 nats/token on the held-out stdlib files, the small
     model as its draft (same tokenizer, same held-out files), and an EAGLE head of the target's width."""
     log = json.loads((DEMO_MODEL_DIR / "train_log.json").read_text())
     assert 15e6 <= log["model"]["num_params"] <= 20e6

@@ -122,7 +122,7 @@ SPECS = {
         eval_every=250,
         dropout=0.1,
     ),
-    # The speculative-decoding demo target (issue 11): ~16.5M parameters, ~33 MB in bfloat16, the "demo"
+    # The speculative-decoding demo target: ~16.5M parameters, ~33 MB in bfloat16, the "demo"
     # model's tokenizer (so the small model drafts for it), trained on the stdlib plus permissively
     # licensed installed packages (--extra-corpus) for a few minutes on one H100/H200.
     "target": TrainSpec(

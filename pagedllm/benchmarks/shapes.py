@@ -190,7 +190,7 @@ SHAPES: dict[str, dict] = {
         "torch_dtype": "bfloat16",
     },
 }
-# Qwen3-235B-A22B (issue 16, 8 GPUs): Qwen3-30B-A3B's family at 94 layers, hidden 4096, 128 experts of 1536, 8 per
+# Qwen3-235B-A22B (the 8-GPU runs): Qwen3-30B-A3B's family at 94 layers, hidden 4096, 128 experts of 1536, 8 per
 # token, 64 query / 4 KV heads of 128.
 SHAPES["qwen3-235b-a22b"] = {
     **SHAPES["qwen3-30b-a3b"],

@@ -1,4 +1,4 @@
-"""Every tiny architecture through the engine under pressure (issue 13's first point): prompts longer than the
+"""Every tiny architecture through the engine under pressure: prompts longer than the
 sliding windows (16 and 32 tokens in the tiny configs), chunked prefill, prefix-cache hits and preemption at once;
 greedy tokens equal transformers' and each generated token's logprob (and the top-3) agree within 1e-4."""
 

@@ -409,7 +409,7 @@ def test_shape_dirs_load_as_transformers_configs(tmp_path: Path) -> None:
     assert lite.rope_parameters["rope_type"] == "yarn" and lite.rope_parameters["factor"] == 40
     qwen = AutoConfig.from_pretrained(write_shape_dir("qwen3-30b-a3b", tmp_path / "qwen"))
     assert (qwen.num_experts, qwen.num_experts_per_tok, qwen.num_hidden_layers) == (128, 8, 48)
-    big = AutoConfig.from_pretrained(write_shape_dir("qwen3-235b-a22b", tmp_path / "qwen235"))  # issue 16's shape
+    big = AutoConfig.from_pretrained(write_shape_dir("qwen3-235b-a22b", tmp_path / "qwen235"))  # the 8-GPU shape
     assert (big.hidden_size, big.num_hidden_layers, big.num_attention_heads, big.num_key_value_heads) == (
         4096, 94, 64, 4,
     )  # fmt: skip

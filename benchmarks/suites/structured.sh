@@ -1,22 +1,19 @@
 #!/usr/bin/env bash
-# Issue 10's device call: what constraining every request to a JSON schema costs. `pagedllm bench throughput` on
-# a Qwen3-0.6B-shaped dummy-weight model, without and with `--json-schema default`, twice each, alternating.
-#   bash benchmarks/gpu_issue10.sh [demo-tokenizer]
+# structured outputs: throughput with every request constrained to a JSON schema against unconstrained
+# What constraining every request to a JSON schema costs. `pagedllm bench throughput` on a Qwen3-0.6B-shaped
+# dummy-weight model, without and with `--json-schema default`, RUNS (default 2) times each, alternating, after an
+# untimed warm-up of both (WARMUP=0 skips it), then once with "maxLength" on the string (MAXLEN=0 skips it).
+#   [RUNS=2] [WARMUP=1] [MAXLEN=1] bash benchmarks/gpu.sh structured [demo-tokenizer | profile]
 # The shape directory's stand-in tokenizer (the letters a-z) cannot spell JSON, and xgrammar's work per token
 # grows with the vocabulary, so the model gets a byte-level BPE tokenizer of Qwen3's size (151,643 tokens) trained
 # here on the image's Python sources (about a minute). `demo-tokenizer` uses the bundled demo
 # model's 4,096-token tokenizer instead (no training; the bitmask still spans the model's 151,936 ids).
-# The GPU image has no xgrammar: carry its wheels (../shared/device/gpu-wheels.sh, carry .whl); they are
-# installed into /tmp/site here.
+# `profile` prints step profiles and a cProfile of the constrained run instead. The GPU image has no xgrammar:
+# carry its wheels (../shared/device/gpu-wheels.sh, carry .whl); they are installed into /tmp/site here.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-out="${OUT:-.out}"; mkdir -p "$out"
-py=python3
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
-if [ -d .whl ] && ! $py -c "import xgrammar" 2>/dev/null; then
-  $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH="/tmp/site:$PYTHONPATH"
-fi
+cd "$(dirname "$0")/../.."
+source benchmarks/lib.sh
+use_wheels xgrammar
 $py -c "import xgrammar" || { echo "xgrammar is missing: carry its wheels (../shared/device/gpu-wheels.sh)"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
 $py -c "import torch, transformers; from importlib.metadata import version as v; print('torch', torch.__version__, 'transformers', transformers.__version__, 'xgrammar', v('xgrammar'))"
@@ -46,7 +43,7 @@ if [ "${1:-}" = profile ]; then  # where a constrained step's time goes: step pr
     --json-schema default 2>&1 | grep -A30 "Ordered by" | cut -c1-150
   exit 0
 fi
-# An untimed warm-up of both (Triton's JIT for the shapes a full run meets) so that run 1 is not a cold run.
+# An untimed warm-up of both (Triton's JIT for the shapes a full run meets) so that the first run is not a cold one.
 if [ "${WARMUP:-1}" = 1 ]; then
   for flag in "" "--json-schema default"; do
     timeout 150 $py -m pagedllm.benchmarks.throughput --model $Q $common --num-prompts 256 --input-len 256 \

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# One device call: GPU tests, then the benchmark table of issue 4 (pagedllm and transformers, same run).
-#   bash benchmarks/gpu_suite.sh [tests] [qwen-latency] [qwen-throughput] [qwen-nano] [llama-latency] [llama-throughput] [hf] [startup] [serve]
-# With no arguments it runs everything. Logs go to $OUT (or .out/) as bench_*.log and *.json.
+# the headline rows one by one, transformers baselines in the same run (latency/throughput/startup/serve)
+#   bash benchmarks/gpu.sh rows [tests] [qwen-latency] [qwen-throughput] [qwen-nano] [llama-latency] [llama-throughput] [hf] [startup] [serve]
+# With no arguments it runs everything (tests: the whole `pytest -m gpu tests/ -x`; hf: the transformers baseline
+# of each latency / Llama throughput row picked). Dummy weights, Qwen3-0.6B and Llama-3.1-8B shapes. Logs go to
+# $OUT (or .out/) as bench_*.log and *.json; each row lists the Triton kernels compiled while it ran.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 source benchmarks/lib.sh "$@"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
 $py -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"

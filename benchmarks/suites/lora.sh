@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Issue 15's device call: multi-LoRA on the GPU. The gpu tests of tests/lora (Triton shrink/expand against their
+# multi-LoRA: throughput with no LoRA, 1 and 8 rank-16 adapters, Llama-3.1-8B shape
+# Multi-LoRA on the GPU. The gpu tests of tests/lora (Triton shrink/expand against their
 # twins, the engine with CUDA graphs), then `pagedllm bench throughput` on the Llama-3.1-8B shape with dummy
 # weights, 1000 x (1024 in, 128 out): no LoRA, then --enable-lora --max-loras 8 with 1 and with 8 rank-16 adapters
 # (q/k/v/o/gate/up/down, random weights from pagedllm.benchmarks.lora_adapters) spread over the requests at random.
-#   bash benchmarks/gpu_issue15.sh [tests] [throughput]      (NUM_PROMPTS, default 1000)
+#   [NUM_PROMPTS=1000] bash benchmarks/gpu.sh lora [tests] [throughput]
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 source benchmarks/lib.sh "$@"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 $py -m pagedllm.benchmarks.shapes "$out/models" >/dev/null

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 13's device call: the windowed (hybrid) KV cache on the GPU.
-#   bash benchmarks/gpu_issue13_hybrid.sh [check] [on] [off]
+# windowed (hybrid) KV cache on against off: Gemma-3-12B shape at 32k, KV per sequence and latency
+#   bash benchmarks/gpu.sh hybrid-kv [check] [on] [off]
 # check: a tiny Gemma 3 (window 16, bf16, Triton attention, CUDA graphs, async scheduling) generates the same greedy
 #        tokens with the windowed cache and without it (--disable-hybrid-kv-cache-manager), on prompts far longer than
 #        the window, in chunks, with prefix hits. Both runs schedule alike (a pool nothing runs out of), so the same
@@ -10,7 +10,7 @@
 #        maximum concurrency and the KV memory one 32768-token sequence takes with and without the windowed cache.
 # With no arguments it runs everything. Logs go to $OUT (or .out/) as bench_*.log and *.json.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 source benchmarks/lib.sh "$@"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 $py -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"

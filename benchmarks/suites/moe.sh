@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Issue 13's device call: the MoE / MLA shapes with dummy weights. `pagedllm bench latency` (batch 1, 128 in /
+# MoE / MLA shapes (Qwen3-30B-A3B, DeepSeek-V2-Lite): batch-1 latency, throughput, bandwidth floor
+# The MoE / MLA shapes with dummy weights. `pagedllm bench latency` (batch 1, 128 in /
 # 128 out) and `bench throughput` (NUM_PROMPTS, default 1000, x (1024 in, 128 out)) on the Qwen3-30B-A3B and
 # DeepSeek-V2-Lite shapes (pagedllm.benchmarks.shapes), with each shape's bytes read per decode step (weights
 # outside the experts + top_k of the routed experts + shared experts + the LM head) for the bandwidth floor.
-#   bash benchmarks/gpu_issue13.sh [latency] [throughput]        (MODELS="qwen3-30b-a3b deepseek-v2-lite")
+#   [MODELS="qwen3-30b-a3b deepseek-v2-lite"] [NUM_PROMPTS=1000] bash benchmarks/gpu.sh moe [latency] [throughput]
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 source benchmarks/lib.sh "$@"
 models="${MODELS:-qwen3-30b-a3b deepseek-v2-lite}"
 $py -m pagedllm.benchmarks.shapes "$out/models" >/dev/null
@@ -36,22 +37,15 @@ for name in sys.argv[2:]:  # built on the meta device: shapes only
           f"{read / 1e9:.3f} GB -> floor {read / 3.35e12 * 1e3:.2f} ms/token at 3.35 TB/s")
 PYEOF
 common="--load-format dummy --max-model-len 4096 --gpu-memory-utilization 0.9"
-run() {  # name, seconds, command...
-  local name=$1 limit=$2; shift 2
-  echo "=== $name: $*"
-  local t0=$(date +%s)
-  timeout "$limit" "$@" 2>&1 | tee "$out/bench_$name.log" | grep -E "^(Throughput|Latency|WARNING)|Error|error|Traceback" | head -20
-  echo "    ($(( $(date +%s) - t0 )) s)"
-}
 for m in $models; do
   if want latency; then
-    run ${m}_lat 150 $py -m pagedllm.benchmarks.latency --model "$out/models/$m" $common --batch-size 1 \
+    row ${m}_lat 150 $py -m pagedllm.benchmarks.latency --model "$out/models/$m" $common --batch-size 1 \
       --input-len 128 --output-len 128 --num-iters-warmup 2 --num-iters 5 --output-json "$out/${m}_lat.json"
   fi
 done
 for m in $models; do
   if want throughput; then
-    run ${m}_tp 200 $py -m pagedllm.benchmarks.throughput --model "$out/models/$m" $common \
+    row ${m}_tp 200 $py -m pagedllm.benchmarks.throughput --model "$out/models/$m" $common \
       --num-prompts ${NUM_PROMPTS:-1000} --input-len 1024 --output-len 128 --output-json "$out/${m}_tp.json"
   fi
 done

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# Issue 11's device call: speculative decoding on the GPU.
+# speculative decoding: n-gram, draft model and EAGLE against plain decoding, speed and acceptance length
 #   tests    the gpu tests of tests/spec_decode
 #   demo     `pagedllm bench latency` on the bundled demo target (real code prompts: 128-token windows of the
 #            stdlib's held-out files, 128 out, greedy) at batch 1 and 16: no speculation, n-gram, the small demo
 #            model as draft, the demo EAGLE head; prints each run's mean acceptance length
 #   latency  the Llama-3.1-8B shape (dummy weights) at batch 1 and 16, 128 in / 128 out: no speculation and a
 #            draft equal to the target (the same dummy weights: the best case, and the verification's overhead)
-#   bash benchmarks/gpu_issue11.sh [tests] [demo] [latency]      (no argument: all)
+#   [ITERS=N] [BATCHES="1 16"] [METHODS="plain ngram draft eagle"] [LLAMA_BATCHES="1 16"] \
+#     bash benchmarks/gpu.sh spec-decode [tests] [demo] [latency]      (no argument: all)
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 source benchmarks/lib.sh "$@"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 mkdir -p "$out/lat"

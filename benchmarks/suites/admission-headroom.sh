@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
+# admission headroom (128 / 64 tokens) against vLLM's admit-while-blocks-last, 1000 x 1024 throughput rows
 # Admission headroom (SchedulerConfig.admission_headroom_tokens, default 128) against vLLM's rule (0: admit while
-# blocks last) on issue 9's throughput rows, with the default batch limits, one device call.
-#   OUT=DIR bash benchmarks/gpu_headroom.sh [qwen] [llama]
+# blocks last) on the headline table's 1000 x (1024, 128) throughput rows, with the default batch limits, one
+# device call.
+#   OUT=DIR bash benchmarks/gpu.sh admission-headroom [qwen] [llama]
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 source benchmarks/lib.sh "$@"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 $py -m pagedllm.benchmarks.shapes "$out/models" >/dev/null

@@ -1,21 +1,17 @@
 #!/usr/bin/env bash
-# Issue 9's device call: every table row (pagedllm and the transformers baselines), the start-up and serve rows,
-# and step profiles of the throughput rows. Run it twice in one device session for the two measurements.
-#   [NO_HF=1] bash benchmarks/gpu_issue9.sh [profile]
-# NO_HF=1 skips the transformers rows (a second run). The last lines are a summary of every row, so that the figures
-# survive a device call's output tail (the serve row alone prints ~40 lines).
+# the whole headline table: latency, throughput, start-up and serve rows, transformers baselines, a summary
+#   [NO_HF=1] bash benchmarks/gpu.sh table [profile]
+# Every row of rows.sh but its tests, then (profile) step profiles of the three throughput rows, then what the API
+# process's imports cost. Run it twice on one machine for two measurements; NO_HF=1 skips the transformers
+# rows (a second run). The last lines are a summary of every row, so that the figures survive a device call's output
+# tail (the serve row alone prints ~40 lines).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-out="${OUT:-.out}"; mkdir -p "$out"
-py=python3
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
+cd "$(dirname "$0")/../.."
+source benchmarks/lib.sh
 # The start-up and serve rows need the server's wheels (../shared/device/gpu-wheels.sh; carry .whl).
-if [ -d .whl ] && ! $py -c "import fastapi, uvicorn" 2>/dev/null; then
-  $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH="/tmp/site:$PYTHONPATH"
-fi
+use_wheels "fastapi, uvicorn"
 hf=hf; [ "${NO_HF:-0}" = 1 ] && hf=
-bash benchmarks/gpu_suite.sh qwen-latency qwen-nano qwen-throughput llama-latency llama-throughput $hf startup serve
+bash benchmarks/suites/rows.sh qwen-latency qwen-nano qwen-throughput llama-latency llama-throughput $hf startup serve
 if [ "${1:-}" = profile ]; then
   $py -m pagedllm.benchmarks.shapes "$out/models" >/dev/null
   common="--load-format dummy --max-model-len 4096 --gpu-memory-utilization 0.9"

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Issue 11's training call: the ~16.5M-parameter demo target (the bundled 4,096-token tokenizer, so the small
-# demo model drafts for it) on the stdlib plus the image's permissively licensed packages, then its EAGLE-1 head.
+# trains the demo target and its EAGLE-1 head for the speculative-decoding demo (not a measurement)
+# The ~16.5M-parameter demo target (the bundled 4,096-token tokenizer, so the small demo model drafts for it) on
+# the stdlib plus the image's permissively licensed packages, then its EAGLE-1 head.
 # They come back as demo_target.tar.part-* and eagle.tar
 # (at most 15 MB a file: the device tool returns files up to 16 MiB). Here: cat the parts | tar x.
-#   TARGET_MIN=5.5 EAGLE_MIN=1.5 bash benchmarks/gpu_issue11_train.sh
+#   TARGET_MIN=5.5 EAGLE_MIN=1.5 [EXTRA_MB=200] [DROPOUT=0.1] bash benchmarks/gpu.sh demo-train
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 source benchmarks/lib.sh "$@"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 # Installed packages whose code is training data (each is license-checked by the script); the ones present.

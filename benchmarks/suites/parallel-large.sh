@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Issue 16's device calls, on a 4- or 8-GPU kind (nvidia-h200-x4/x8 or nvidia-h100-x4/x8): dummy weights in bf16.
-#   bash benchmarks/gpu_issue16.sh [bytes] [lat70] [tput70] [qwen235] [dp4]
+# 4-8 GPUs: Llama-3.3-70B at T=4/T=8, Qwen3-235B-A22B at T=8 with and without expert parallelism, D=4
+# On a 4- or 8-GPU kind (nvidia-h200-x4/x8 or nvidia-h100-x4/x8): dummy weights in bf16.
+#   [TPS="4 8"] [NUM_PROMPTS=1000] bash benchmarks/gpu.sh parallel-large [bytes] [lat70] [tput70] [qwen235] [dp4]
 #   lat70 / tput70: Llama-3.3-70B shape at each of TPS (default "4 8", capped at the GPUs present), `bench latency`
 #                   (batch 1, 128 in / 128 out) and `bench throughput` (NUM_PROMPTS x (1024 in, 128 out), default 1000)
 #   qwen235:        Qwen3-235B-A22B shape at T=8, with and without --enable-expert-parallel, the same two rows
@@ -8,7 +9,7 @@
 #   bytes:          the weight bytes each GPU reads per decode step (the bandwidth floor's numerator)
 # With no arguments it runs everything the GPUs allow. Logs go to $OUT (or .out/) as bench_*.log and *.json.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 source benchmarks/lib.sh "$@"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # KINDS.md: keep multicast off
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
@@ -19,13 +20,6 @@ M="$out/models"
 common="--load-format dummy --max-model-len 4096 --gpu-memory-utilization 0.9"
 lat="--batch-size 1 --input-len 128 --output-len 128 --num-iters-warmup 2 --num-iters 5"
 tput="--num-prompts ${NUM_PROMPTS:-1000} --input-len 1024 --output-len 128"
-run() {  # name, seconds, command...
-  local name=$1 limit=$2; shift 2
-  echo "=== $name: $*"
-  local t0=$(date +%s)
-  timeout "$limit" "$@" 2>&1 | tee "$out/bench_$name.log" | grep -E "^(Throughput|Latency)|Error|error|Traceback" | head -20
-  echo "    ($(( $(date +%s) - t0 )) s)"
-}
 if want bytes; then
   $py - "$M" <<'PYEOF'
 import sys
@@ -56,24 +50,24 @@ PYEOF
 fi
 for t in ${TPS:-4 8}; do
   [ "$t" -le "$gpus" ] || { echo "skip T=$t: $gpus GPUs"; continue; }
-  want lat70 && run llama70b_tp${t}_lat 400 $py -m pagedllm.benchmarks.latency --model "$M/llama-3.3-70b" $common -tp $t $lat \
+  want lat70 && row llama70b_tp${t}_lat 400 $py -m pagedllm.benchmarks.latency --model "$M/llama-3.3-70b" $common -tp $t $lat \
     --output-json "$out/llama70b_tp${t}_lat.json"
-  want tput70 && run llama70b_tp${t}_tput 580 $py -m pagedllm.benchmarks.throughput --model "$M/llama-3.3-70b" $common \
+  want tput70 && row llama70b_tp${t}_tput 580 $py -m pagedllm.benchmarks.throughput --model "$M/llama-3.3-70b" $common \
     -tp $t $tput --output-json "$out/llama70b_tp${t}_tput.json"
 done
 if want qwen235 && [ "$gpus" -ge 8 ]; then
   for ep in "" "--enable-expert-parallel"; do
     tag=$([ -n "$ep" ] && echo ep || echo tp)
-    run qwen235b_${tag}8_lat 400 $py -m pagedllm.benchmarks.latency --model "$M/qwen3-235b-a22b" $common -tp 8 $ep $lat \
+    row qwen235b_${tag}8_lat 400 $py -m pagedllm.benchmarks.latency --model "$M/qwen3-235b-a22b" $common -tp 8 $ep $lat \
       --output-json "$out/qwen235b_${tag}8_lat.json"
-    run qwen235b_${tag}8_tput 580 $py -m pagedllm.benchmarks.throughput --model "$M/qwen3-235b-a22b" $common -tp 8 $ep \
+    row qwen235b_${tag}8_tput 580 $py -m pagedllm.benchmarks.throughput --model "$M/qwen3-235b-a22b" $common -tp 8 $ep \
       $tput --output-json "$out/qwen235b_${tag}8_tput.json"
   done
 fi
 if want dp4 && [ "$gpus" -ge 4 ]; then
-  run llama8b_dp1_tput 300 $py -m pagedllm.benchmarks.throughput --model "$M/llama-3.1-8b" $common $tput \
+  row llama8b_dp1_tput 300 $py -m pagedllm.benchmarks.throughput --model "$M/llama-3.1-8b" $common $tput \
     --output-json "$out/llama8b_dp1_tput.json"
-  run llama8b_dp4_tput 300 $py -m pagedllm.benchmarks.throughput --model "$M/llama-3.1-8b" $common -dp 4 $tput \
+  row llama8b_dp4_tput 300 $py -m pagedllm.benchmarks.throughput --model "$M/llama-3.1-8b" $common -dp 4 $tput \
     --output-json "$out/llama8b_dp4_tput.json"
 fi
 exit 0

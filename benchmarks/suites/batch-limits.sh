@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The throughput rows of issue 9's table under the batch limits the engine takes when the user sets none (vLLM's
+# default batch limits (vLLM's: 16384 tokens, 1024 sequences) against 8192 / 256 on the throughput rows
+# The headline table's throughput rows under the batch limits the engine takes when the user sets none (vLLM's
 # table: 16384 tokens and 1024 sequences offline on an H100) against the earlier fixed 8192 / 256, one device call.
-#   OUT=DIR bash benchmarks/gpu_batch_defaults.sh [qwen] [llama] [nano]
+#   OUT=DIR bash benchmarks/gpu.sh batch-limits [qwen] [llama] [nano]
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 source benchmarks/lib.sh "$@"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 $py -m pagedllm.benchmarks.shapes "$out/models" >/dev/null
