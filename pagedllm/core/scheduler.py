@@ -500,6 +500,11 @@ class Scheduler:
             elif token_id in params.stop_token_ids:
                 status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = token_id
+        if status is None and request.grammar is not None and request.grammar.terminated:
+            # The constraint is complete and admits nothing more: it wins over min_tokens and ignore_eos.
+            status = RequestStatus.FINISHED_STOPPED
+            if token_id != request.eos_token_id:
+                request.stop_reason = token_id
         if status is None and (
             request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.config.max_model_len
         ):

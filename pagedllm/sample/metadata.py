@@ -48,8 +48,10 @@ class SamplingMetadata:
 
     # --- masks and biases (applied before penalties, to greedy rows too)
     allowed_token_mask: torch.Tensor | None = None  # [num_reqs, vocab_size] bool, True = not allowed
-    banned_token_index: torch.Tensor | None = None  # [2, num_banned] int64 (row, token) set to -inf:
-    #                                                  bad words and min_tokens (eos / stop tokens)
+    banned_token_index: torch.Tensor | None = None  # [2, num_banned] int64 (row, token) set to -inf: bad words
+    # [2, num_held] int64 (row, token): eos / stop tokens held back until min_tokens, set to -inf unless that
+    # leaves the row nothing to sample (a grammar that only lets it stop): then the constraint wins, they stay
+    min_tokens_index: torch.Tensor | None = None
     logit_bias_index: torch.Tensor | None = None  # [2, num_bias] int64 (row, token)
     logit_bias_values: torch.Tensor | None = None  # [num_bias] float32, added at logit_bias_index
 
@@ -68,6 +70,7 @@ class SamplingMetadata:
                 self.grammar_bitmask,
                 self.allowed_token_mask,
                 self.banned_token_index,
+                self.min_tokens_index,
                 self.logit_bias_index,
             )
         )
@@ -183,6 +186,8 @@ def build_sampling_metadata(
     allowed_cols: list[int] = []
     banned_rows: list[int] = []
     banned_cols: list[int] = []
+    held_rows: list[int] = []
+    held_cols: list[int] = []
     bias_rows: list[int] = []
     bias_cols: list[int] = []
     bias_values: list[float] = []
@@ -193,12 +198,14 @@ def build_sampling_metadata(
         banned: list[int] = []
         if p._bad_words_token_ids:
             banned += _bad_word_bans(p._bad_words_token_ids, output_token_ids[i])
-        if len(output_token_ids[i]) < p.min_tokens:
-            banned += p.stop_token_ids or []
-            if eos_token_ids[i] is not None and not p.ignore_eos:
-                banned.append(eos_token_ids[i])
         banned_rows += [i] * len(banned)
         banned_cols += banned
+        if len(output_token_ids[i]) < p.min_tokens:
+            held = list(p.stop_token_ids or [])
+            if eos_token_ids[i] is not None and not p.ignore_eos:
+                held.append(eos_token_ids[i])
+            held_rows += [i] * len(held)
+            held_cols += held
         if p.logit_bias:
             bias_rows += [i] * len(p.logit_bias)
             bias_cols += list(p.logit_bias.keys())
@@ -211,6 +218,8 @@ def build_sampling_metadata(
         meta.allowed_token_mask = mask
     if banned_rows:
         meta.banned_token_index = per_row([banned_rows, banned_cols], torch.int64)
+    if held_rows:
+        meta.min_tokens_index = per_row([held_rows, held_cols], torch.int64)
     if bias_rows:
         meta.logit_bias_index = per_row([bias_rows, bias_cols], torch.int64)
         meta.logit_bias_values = per_row(bias_values, torch.float32)

@@ -4,6 +4,7 @@ Order of operations (each step skipped when no row uses it)::
 
     raw logits ──────────────────────────────────────────────────────────────► logprobs (log_softmax, fp32)
         │ grammar bitmask (structured outputs), allowed_token_ids, bad words, min_tokens (-inf); logit_bias (+)
+        │   (min_tokens never empties a row: when only eos / stop tokens are left, a grammar that must end, they stay)
         │ penalties: repetition (prompt + output), frequency, presence
         ├─► argmax ──► greedy rows
         │ / temperature; min-p; top-k; top-p
@@ -58,6 +59,7 @@ def _only_grammar_edit(metadata: SamplingMetadata) -> bool:
         and metadata.no_penalties
         and metadata.allowed_token_mask is None
         and metadata.banned_token_index is None
+        and metadata.min_tokens_index is None
         and metadata.logit_bias_index is None
     )
 
@@ -163,6 +165,14 @@ class Sampler(nn.Module):
         if metadata.banned_token_index is not None:
             rows, cols = metadata.banned_token_index  # [num_banned] each
             logits[rows, cols] = neg_inf
+        if metadata.min_tokens_index is not None:
+            # Held back until min_tokens, unless nothing else is left: a grammar that has completed allows only
+            # the stop tokens, and the constraint wins over min_tokens (the request then stops; vLLM does the same).
+            rows, cols = metadata.min_tokens_index  # [num_held] each
+            held = logits[rows, cols]  # [num_held]
+            logits[rows, cols] = neg_inf
+            empty = logits.amax(dim=-1) == neg_inf  # [num_reqs]
+            logits[rows, cols] = torch.where(empty[rows], held, neg_inf)
         if metadata.logit_bias_index is not None:
             rows, cols = metadata.logit_bias_index  # [num_bias] each
             logits.index_put_((rows, cols), metadata.logit_bias_values, accumulate=True)

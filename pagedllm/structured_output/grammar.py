@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pagedllm.sampling_params import StructuredOutputsParams
+from pagedllm.structured_output.schema_support import check_json_schema
 
 # Free-whitespace JSON (the default, as in vLLM) lets a weak model emit whitespace without end. xgrammar's own
 # cap (max_whitespace_cnt) makes every mask inside a string 3-4x slower to fill on a 152k vocabulary (measured:
@@ -45,7 +46,8 @@ def choice_ebnf(choices: list[str]) -> str:
 
 def build_grammar(params: StructuredOutputsParams) -> Any:
     """The xgrammar ``Grammar`` of ``params``; ``ValueError`` naming ``structured_outputs.<field>`` if xgrammar
-    rejects it (unsupported schema keyword, unbalanced regex, undefined rule...)."""
+    rejects it (unbalanced regex, undefined rule...) or a JSON schema uses a keyword the grammar would not
+    enforce (schema_support.py: the keyword and its JSON pointer are named)."""
     xgr = _xgr()
     kind = params.kind
     ws = {"any_whitespace": not params.disable_any_whitespace}
@@ -59,6 +61,7 @@ def build_grammar(params: StructuredOutputsParams) -> Any:
                     raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
             if not isinstance(schema, dict):
                 raise ValueError("structured_outputs.json must be a JSON schema object")
+            check_json_schema(schema)  # what xgrammar would silently not enforce is refused here
             return _strict_json_strings(xgr.Grammar.from_json_schema(schema, **ws))
         if kind == "json_object":
             return _strict_json_strings(xgr.Grammar.from_json_schema({"type": "object"}, strict_mode=False, **ws))
@@ -85,14 +88,19 @@ def build_grammar(params: StructuredOutputsParams) -> Any:
 # the strict class (no escapes needed in it: still valid JSON, the length counts characters).
 _STRING_CHARS = ('[^\\"\\\\\\r\\n]', '[^\\0-\\x1f\\"\\\\\\r\\n]')
 _STRICT_STRING_CHAR = '[^\\0-\\x1f\\"\\\\\\ud800-\\udfff]'
+# format "email" allows a quoted local part ("a b"@x) whose quoted pairs xgrammar writes as a raw backslash and
+# any printable character: in JSON text that is an escape, mostly invalid (\a). The quoted part keeps its
+# plain characters only.
+_EMAIL_QUOTED_PAIR = '("\\\\" [ -~]) | '
 
 
 def _strict_json_strings(grammar: Any) -> Any:
     text = str(grammar)
-    if not any(c in text for c in _STRING_CHARS):
+    if not any(c in text for c in _STRING_CHARS) and _EMAIL_QUOTED_PAIR not in text:
         return grammar
     for c in _STRING_CHARS:
         text = text.replace(c, _STRICT_STRING_CHAR)
+    text = text.replace(_EMAIL_QUOTED_PAIR, "")
     return _xgr().Grammar.from_ebnf(text)
 
 

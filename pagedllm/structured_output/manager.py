@@ -218,7 +218,7 @@ class GrammarState:
                 del self._tail[:-n]
             return True
         if self._terminated:
-            return True  # past the end (ignore_eos): nothing left to check
+            return True  # past the end: the scheduler stops a request at the token that ends its grammar
         plain = self._plain
         is_plain = plain is not None and 0 <= token_id < len(plain) and plain[token_id]
         if is_plain and self._mask_valid:
@@ -249,6 +249,12 @@ class GrammarState:
             runs.append((runs[-1] + 1 if runs else 1) if token_id in ws else 0)
             self._capped = runs[-1] >= MAX_JSON_WHITESPACE_TOKENS
         return True
+
+    @property
+    def terminated(self) -> bool:
+        """Whether the grammar has accepted a stop token that ends it: nothing may follow (the scheduler then
+        finishes the request, whatever ``min_tokens`` and ``ignore_eos`` say)."""
+        return self._terminated
 
     @property
     def whitespace_capped(self) -> bool:

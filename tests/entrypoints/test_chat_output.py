@@ -1,5 +1,6 @@
 """ChatOutput: streaming a choice piece by piece gives the message the whole text gives, in every tool mode and
-with a reasoning parser; finish_reason becomes "tool_calls" when calls were made."""
+with a reasoning parser; finish_reason becomes "tool_calls" when "auto" or "required" calls were made, stays "stop"
+for a named function and "length" when max_tokens cut the choice."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def _final(out: ChatOutput, text: str, finish: str) -> tuple[dict, str]:
 CASES = [
     # (plan, reasoning parser, tool parser, text, finish, expected finish, number of calls)
     (ToolPlan(), None, None, "plain answer", "stop", "stop", 0),
-    (ToolPlan(mode="named", named="f"), None, None, '{"x": [1, 2]}', "stop", "tool_calls", 1),
+    (ToolPlan(mode="named", named="f"), None, None, '{"x": [1, 2]}', "stop", "stop", 1),
     (
         ToolPlan(mode="required", parameters=PARAMS),
         None,
@@ -60,6 +61,25 @@ CASES = [
         2,
     ),
     (ToolPlan(mode="required", parameters=PARAMS), None, None, '[{"name": "f", "argu', "length", "length", 0),
+    (
+        ToolPlan(mode="required", parameters=PARAMS),
+        None,
+        None,
+        '[{"name": "f", "arguments": {"a": [1]}}, {"name": "g", "arguments": {"b"',
+        "length",
+        "length",
+        1,
+    ),
+    (
+        ToolPlan(mode="auto", parallel=False),
+        None,
+        "hermes",
+        '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "g", "arguments": {}}\n'
+        "</tool_call>",
+        "stop",
+        "tool_calls",
+        1,
+    ),
     (
         ToolPlan(mode="auto"),
         None,
@@ -86,7 +106,7 @@ CASES = [
         None,
         '<think>hm</think>{"k": true}',
         "stop",
-        "tool_calls",
+        "stop",
         1,
     ),
 ]
@@ -103,6 +123,8 @@ def test_streaming_gives_the_final_message(case, size: int) -> None:
     assert streamed == final
     assert final_reason == stream_reason == want_finish
     assert len(final["calls"]) == num_calls
+    if plan.mode in ("named", "required"):
+        assert final["content"] is None  # the constrained text is calls, never content
 
 
 def test_required_schema_lists_one_variant_per_tool() -> None:

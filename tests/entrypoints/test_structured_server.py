@@ -254,11 +254,11 @@ def test_named_tool_choice_gives_that_function(tc):
     kw = {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
     resp = chat(tc, **kw)
     (call,) = resp.choices[0].message.tool_calls
-    assert call.function.name == "get_weather" and resp.choices[0].finish_reason == "tool_calls"
+    assert call.function.name == "get_weather" and resp.choices[0].finish_reason == "stop"  # as OpenAI and vLLM
     jsonschema.validate(json.loads(call.function.arguments), PARAMS["get_weather"])
     chunks = chat(tc, stream=True, **kw)
     content, _, calls, finish = streamed(chunks)
-    assert finish == "tool_calls" and content == ""
+    assert finish == "stop" and content == ""
     assert [(c["name"], c["arguments"]) for c in calls] == [("get_weather", call.function.arguments)]
     first = next(t for ch in chunks for c in ch.choices for t in (c.delta.tool_calls or []))
     assert first.id and first.function.name == "get_weather"  # id and name first, then argument pieces
@@ -353,3 +353,116 @@ def test_random_weight_model_obeys_json_schemas(client, model):
         text = results[i].choices[0].message.content
         jsonschema.validate(json.loads(text), schema)
         assert streamed(results[len(SCHEMAS) + i])[0] == text
+
+
+def _calls(message) -> list[tuple[str, dict]]:
+    return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
+
+
+def test_required_calls_cut_by_max_tokens_keep_the_complete_ones(client, model):
+    """A list of calls that max_tokens cuts ends with "length" and no content (never the raw JSON): the calls
+    completed before the cut, each valid, streamed or not. Cut just before EOS, every call is complete."""
+    kw = {"model": model, "tools": TOOLS, "tool_choice": "required", "max_tokens": 400}
+    full = chat(client, **kw)
+    assert full.choices[0].finish_reason == "tool_calls"
+    want = _calls(full.choices[0].message)
+    before_eos = {**kw, "max_tokens": full.usage.completion_tokens - 1}
+    resp, chunks, short = parallel(
+        lambda: chat(client, **before_eos),
+        lambda: chat(client, stream=True, **before_eos),
+        lambda: chat(client, **{**kw, "max_tokens": 3}),
+    )
+    choice = resp.choices[0]
+    assert (choice.finish_reason, choice.message.content, _calls(choice.message)) == ("length", None, want)
+    for name, arguments in want:
+        jsonschema.validate(arguments, PARAMS[name])
+    content, _, calls, finish = streamed(chunks)
+    assert (content, finish) == ("", "length")
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == want
+    short = short.choices[0]  # cut inside the first call: nothing complete
+    assert (short.finish_reason, short.message.content, _calls(short.message)) == ("length", None, [])
+
+
+def test_parallel_tool_calls_false_allows_exactly_one_call(tc):
+    """Sampled at temperature 1, some seeds make several calls; with parallel_tool_calls false the constraint
+    closes the list after the first, every seed, streamed or not."""
+    seeds = range(4)
+
+    def ask(seed, parallel_calls, stream=False):
+        kw = {"tools": TOOLS, "tool_choice": "required", "temperature": 1.0, "seed": seed}
+        return lambda: chat(tc, stream=stream, parallel_tool_calls=parallel_calls, **kw)
+
+    results = parallel(*[ask(s, True) for s in seeds], *[ask(s, False) for s in seeds], ask(0, False, True))
+    assert max(len(r.choices[0].message.tool_calls) for r in results[: len(seeds)]) > 1
+    for resp in results[len(seeds) : 2 * len(seeds)]:
+        choice = resp.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        ((name, arguments),) = _calls(choice.message)
+        jsonschema.validate(arguments, PARAMS[name])
+    content, _, calls, finish = streamed(results[-1])
+    assert (content, finish) == ("", "tool_calls")
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == _calls(results[len(seeds)].choices[0].message)
+
+
+def test_a_completed_constraint_wins_over_min_tokens_and_ignore_eos(tc):
+    """The choice completes in a few tokens; min_tokens and ignore_eos would want more: the answer stops there,
+    valid, with finish_reason "stop" (never an error)."""
+    extras = [{"guided_choice": ["yes", "no"], "min_tokens": 50}, {"guided_choice": ["yes", "no"], "ignore_eos": True}]
+    results = parallel(
+        *[lambda e=e: chat(tc, max_tokens=80, extra_body=e) for e in extras],
+        *[lambda e=e: chat(tc, stream=True, max_tokens=80, extra_body=e) for e in extras],
+    )
+    for i in range(len(extras)):
+        choice = results[i].choices[0]
+        assert choice.finish_reason == "stop" and choice.message.content in ("yes", "no")
+        content, _, _, finish = streamed(results[len(extras) + i])
+        assert (content, finish) == (choice.message.content, "stop")
+
+
+UNIQUE = {"type": "array", "items": {"enum": [1, 2, 3]}, "minItems": 2, "maxItems": 3, "uniqueItems": True}
+STARS = {
+    "type": "function",
+    "function": {
+        "name": "rate",
+        "parameters": {
+            "type": "object",
+            "properties": {"stars": {"type": "integer", "minimum": 1, "maximum": 5, "not": {"const": 3}}},
+            "required": ["stars"],
+        },
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "kw, param, keyword",
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "u", "schema": UNIQUE}}},
+         "response_format", "uniqueItems"),
+        ({"extra_body": {"guided_json": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}}},
+         "guided_json", "maxLength"),
+        ({"extra_body": {"structured_outputs": {"json": {"type": "array", "contains": {"const": 7}}}}},
+         "structured_outputs", "contains"),
+        ({"tools": [WEATHER, STARS], "tool_choice": {"type": "function", "function": {"name": "rate"}}},
+         "tools[1].function.parameters", "not"),
+        ({"tools": [STARS, TIME], "tool_choice": "required"}, "tools[0].function.parameters", "not"),
+    ],
+)  # fmt: skip
+def test_schema_keywords_the_grammar_cannot_enforce_are_400(client, model, kw, param, keyword):
+    """A schema keyword the grammar would drop (the output would break it) is a 400 naming the field, or the
+    tool's parameters, and the keyword; a tool that is not forced is not checked; enforced keywords still work."""
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, model=model, **kw)
+    body = e.value.body
+    assert body["param"] == param and body["type"] == "invalid_request_error", body
+    assert f"keyword {keyword!r}" in body["message"], body
+    if param.startswith("tools"):
+        assert body["message"].startswith(param), body
+    ok = {"type": "array", "prefixItems": [{"type": "string", "pattern": "^[a-c]{1,3}$"}], "items": False,
+          "minItems": 1}  # fmt: skip
+    rf = {"type": "json_schema", "json_schema": {"name": "ok", "schema": ok}}
+    resp = chat(client, model=model, response_format=rf, temperature=1.0, seed=1, max_tokens=60)
+    jsonschema.validate(json.loads(resp.choices[0].message.content), ok)
+    resp = chat(client, model=model, tools=[STARS, TIME], max_tokens=60, temperature=1.0, seed=1,
+                tool_choice={"type": "function", "function": {"name": "get_time"}})  # fmt: skip
+    (call,) = resp.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), TIME["function"]["parameters"])

@@ -7,8 +7,12 @@ which the tool plan turns into calls:
 - ``named``: the whole content is the forced function's arguments (a JSON-schema constraint made it valid);
   streamed as it is generated, after a first delta with the call's id and name;
 - ``required``: the content is a JSON list of ``{"name", "arguments"}`` (constrained too); sent when complete.
+  The message has no content, only calls: when max_tokens cuts the list, the calls completed before the cut
+  (maybe none) and ``finish_reason`` "length".
 
-A choice that ends with calls has ``finish_reason`` "tool_calls" (unless it was cut short by max_tokens).
+``finish_reason`` (as OpenAI and vLLM): "tool_calls" when ``auto`` or ``required`` calls end a choice that stopped;
+"stop" for a named function (the caller chose the call); "length" whenever max_tokens cut the choice. With
+``parallel_tool_calls`` false, ``auto`` keeps only the first call (``required`` has one by its constraint).
 Streaming and non-streaming give the same message.
 """
 
@@ -65,10 +69,11 @@ class ChatOutput:
             extracted = self._tools.extract_tool_calls(content)
             if extracted.tools_called:
                 calls, content = extracted.tool_calls, extracted.content
-        elif self.plan.mode == "named" or (self.plan.mode == "required" and finish_reason != "length"):
-            calls = calls_from_constrained_output(self.plan, content or "") or []
-            if calls:
-                content = None
+            if not self.plan.parallel:
+                calls = calls[:1]
+        elif self.plan.mode in ("named", "required"):  # the constraint made the content calls, nothing else
+            calls = calls_from_constrained_output(self.plan, content or "")
+            content = None
         message = {
             "content": content,
             "reasoning_content": reasoning,
@@ -77,7 +82,9 @@ class ChatOutput:
         return message, self._finish_reason(bool(calls), finish_reason)
 
     def _finish_reason(self, called: bool, finish_reason: str | None) -> str | None:
-        return "tool_calls" if called and finish_reason == "stop" else finish_reason
+        if called and finish_reason == "stop" and self.plan.mode != "named":
+            return "tool_calls"
+        return finish_reason
 
     # ------------------------------------------------------------------ streaming
 
@@ -111,9 +118,7 @@ class ChatOutput:
             if d is not None:
                 self._merge(d, out)
         elif self.plan.mode == "required":
-            calls = (
-                None if finish_reason == "length" else calls_from_constrained_output(self.plan, self._content)
-            )
+            calls = calls_from_constrained_output(self.plan, self._content)
             if calls:
                 out["tool_calls"] = [
                     part
@@ -121,8 +126,6 @@ class ChatOutput:
                     for part in (_delta_call(i, c.id, c.name, ""), _delta_call(i, None, None, c.arguments))
                 ]
                 self.called = True
-            elif self._content:
-                out["content"] = out.get("content", "") + self._content
         elif self.plan.mode == "named":
             if self._named_id is None:  # nothing generated: still one call, with empty arguments
                 out.setdefault("tool_calls", []).append(
@@ -154,8 +157,9 @@ class ChatOutput:
     def _merge(self, d: Any, out: dict[str, Any]) -> None:
         if d.content:
             out["content"] = out.get("content", "") + d.content
-        if d.tool_calls:
+        deltas = d.tool_calls if self.plan.parallel else [t for t in d.tool_calls if t.index == 0]
+        if deltas:
             self.called = True
             calls = out.setdefault("tool_calls", [])
-            for t in d.tool_calls:
+            for t in deltas:
                 calls.append(_delta_call(t.index, t.id, t.name, t.arguments))

@@ -6,7 +6,8 @@ older ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`
 
 Tool calling (chat): ``tool_choice="none"`` generates text; ``"auto"`` lets the model decide and parses its text
 with the server's ``--tool-call-parser``; ``"required"`` and a named function are enforced by a JSON-schema
-constraint, so the output is always valid calls, whatever the model.
+constraint, so the output is always valid calls, whatever the model. ``parallel_tool_calls: false`` bounds a
+"required" list to one call in that constraint, and keeps only the first call ``"auto"`` parses (as vLLM does).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedllm.entrypoints.openai.errors import bad_request
+from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request
 from pagedllm.entrypoints.openai.tool_parsers.base import ToolCall, random_tool_call_id
 from pagedllm.sampling_params import StructuredOutputsParams
 
@@ -28,14 +29,34 @@ _GUIDED = {
 }
 
 
-def _validated(params: StructuredOutputsParams, param: str) -> StructuredOutputsParams:
+def _validated(
+    params: StructuredOutputsParams, param: str, plan: ToolPlan | None = None
+) -> StructuredOutputsParams:
+    """``params`` if it compiles, else a 400 naming ``param``; for a tool plan's constraint, the 400 names the
+    first tool whose parameters cannot be a constraint (``tools[i].function.parameters``)."""
     from pagedllm.structured_output.grammar import validate_structured_outputs
 
     try:
         validate_structured_outputs(params)
     except ValueError as e:
+        if plan is not None:
+            raise _tool_parameters_error(plan) or bad_request(str(e), param) from None
         raise bad_request(str(e), param) from None
     return params
+
+
+def _tool_parameters_error(plan: ToolPlan) -> OpenAIError | None:
+    """The 400 for the first tool of ``plan``'s constraint whose parameters schema is refused on its own."""
+    from pagedllm.structured_output.grammar import validate_structured_outputs
+
+    names = list(plan.parameters)  # in the order of the request's tools (names are unique)
+    for name in [plan.named] if plan.mode == "named" else names:
+        field_name = f"tools[{names.index(name)}].function.parameters"
+        try:
+            validate_structured_outputs(StructuredOutputsParams(json=plan.parameters[name]))
+        except ValueError as e:
+            return bad_request(str(e).replace("structured_outputs.json", field_name, 1), field_name)
+    return None
 
 
 def structured_outputs_from_request(req: Any) -> StructuredOutputsParams | None:
@@ -91,6 +112,7 @@ class ToolPlan:
     named: str | None = None  # the forced function's name ("named")
     constraint: StructuredOutputsParams | None = None  # "required" and "named"
     parameters: dict[str, dict[str, Any]] = field(default_factory=dict)  # function name -> parameters schema
+    parallel: bool = True  # False: at most one call (the request's parallel_tool_calls is false)
 
 
 def _parameters(tool: Any) -> dict[str, Any]:
@@ -112,6 +134,7 @@ def plan_tools(req: Any, enable_auto_tool_choice: bool, tool_parser: str | None)
     plan = ToolPlan(
         tools=[t.model_dump(exclude_none=True) for t in tools],
         parameters={t.function.name: _parameters(t) for t in tools},
+        parallel=getattr(req, "parallel_tool_calls", None) is not False,
     )
     if choice is None:
         choice = "auto"
@@ -139,19 +162,20 @@ def plan_tools(req: Any, enable_auto_tool_choice: bool, tool_parser: str | None)
     # Calls are read by programs, not people: compact JSON (no free whitespace) costs the fewest tokens.
     if plan.mode == "required":
         plan.constraint = StructuredOutputsParams(
-            json=required_schema(plan.parameters, req.parallel_tool_calls), disable_any_whitespace=True
+            json=required_schema(plan.parameters, plan.parallel), disable_any_whitespace=True
         )
     elif plan.mode == "named":
         plan.constraint = StructuredOutputsParams(
             json=plan.parameters[plan.named], disable_any_whitespace=True
         )
     if plan.constraint is not None:
-        _validated(plan.constraint, "tools")
+        _validated(plan.constraint, "tools", plan)
     return plan
 
 
 def required_schema(parameters: dict[str, dict[str, Any]], parallel: bool | None) -> dict[str, Any]:
-    """JSON schema of a non-empty list of calls ``[{"name": ..., "arguments": {...}}, ...]``."""
+    """JSON schema of a non-empty list of calls ``[{"name": ..., "arguments": {...}}, ...]``: exactly one call
+    when ``parallel`` is False (``maxItems`` 1), any number otherwise (None is the API's default, true)."""
     variants = [
         {
             "type": "object",
@@ -167,19 +191,48 @@ def required_schema(parameters: dict[str, dict[str, Any]], parallel: bool | None
     return schema
 
 
-def calls_from_constrained_output(plan: ToolPlan, text: str) -> list[ToolCall] | None:
+def calls_from_constrained_output(plan: ToolPlan, text: str) -> list[ToolCall]:
     """The calls in a "required" / "named" output. A named call's arguments are the text as generated (what
-    streaming sends piece by piece); a "required" list cut short (not valid JSON) gives None."""
+    streaming sends piece by piece). A "required" list gives its complete calls, in order: all of them when the
+    constraint completed it, those before the cut when max_tokens cut it short (each one the grammar finished is
+    a valid call; the unfinished one is left out)."""
     if plan.mode == "named":
         return [ToolCall(random_tool_call_id(), plan.named, text)]
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        return None
-    return [
-        ToolCall(random_tool_call_id(), call["name"], json.dumps(call["arguments"], ensure_ascii=False))
-        for call in value
-    ]
+    calls = []
+    for value in _complete_list_items(text):
+        if not (isinstance(value, dict) and isinstance(value.get("name"), str) and "arguments" in value):
+            break
+        arguments = json.dumps(value["arguments"], ensure_ascii=False)
+        calls.append(ToolCall(random_tool_call_id(), value["name"], arguments))
+    return calls
+
+
+def _complete_list_items(text: str) -> list[Any]:
+    """The items of a JSON list that are complete in ``text`` (a whole list, or one cut anywhere)."""
+    decoder = json.JSONDecoder()
+    pos = _skip_space(text, 0)
+    if not text.startswith("[", pos):
+        return []
+    items: list[Any] = []
+    pos = _skip_space(text, pos + 1)
+    while pos < len(text) and text[pos] != "]":
+        try:
+            value, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            break  # cut inside this item
+        items.append(value)
+        pos = _skip_space(text, pos)
+        if text.startswith(",", pos):
+            pos = _skip_space(text, pos + 1)
+        elif not text.startswith("]", pos):
+            break
+    return items
+
+
+def _skip_space(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in " \t\r\n":
+        pos += 1
+    return pos
 
 
 def tool_call_dict(call: ToolCall) -> dict[str, Any]:
