@@ -229,10 +229,14 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         group_windows: Sequence[int | None] = (None,),
+        longrope_original_max: int | None = None,
     ) -> None:
         """``group_windows``: each KV cache group's sliding window (None: full attention), ``KVCacheLayout``'s; the
-        default is one full-attention group."""
+        default is one full-attention group. ``longrope_original_max``: a LongRoPE model's switch length (None for
+        other models): requests longer than it rotate every position with the long frequencies (``Request.rope_long``,
+        see ``Scheduler.schedule``), so their blocks get a hash space of their own."""
         self.block_size = block_size
+        self.longrope_original_max = longrope_original_max
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.groups = [_Group(g, w, block_size, self.pool) for g, w in enumerate(group_windows)]
@@ -257,6 +261,8 @@ class KVCacheManager:
         hashes = request.block_hashes
         lora_id = request.lora_int_id
         extra_keys = (lora_id,) if lora_id else ()  # an adapter changes every layer's KV: its own hash space
+        if request.rope_long:  # LongRoPE keys rotated with the long frequencies: never shared with short ones
+            extra_keys += ("longrope-long",)
         for i in range(len(hashes), num_tokens // bs):
             parent = hashes[-1] if hashes else None
             hashes.append(hash_block_tokens(parent, request.all_token_ids[i * bs : (i + 1) * bs], extra_keys))

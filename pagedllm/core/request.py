@@ -72,6 +72,9 @@ class Request:
         self.num_preemptions = 0
         self.num_prompt_logprobs_sent = 0  # prompt positions whose logprobs were already returned
         self.block_hashes: list[bytes] = []  # chained hashes of this request's full blocks
+        # LongRoPE models: whether the KV this request computes is rotated with the long frequencies (it had more
+        # than original_max_position_embeddings tokens when it last started; the scheduler sets it).
+        self.rope_long = False
         # Structured outputs: the request's GrammarState (structured_output/manager.py), set by the engine core.
         self.grammar: Any = None
         # Speculative decoding: draft tokens proposed for the next step (the scheduler sends them to be verified).

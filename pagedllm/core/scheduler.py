@@ -178,17 +178,39 @@ class Scheduler:
             victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
         else:
             victim = self.running[-1]
-        self.running.remove(victim)
-        self.kv.free(victim)
-        victim.status = RequestStatus.PREEMPTED
-        victim.num_computed_tokens = 0
-        victim.spec_token_ids = []
+        self._requeue(victim)
         victim.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.add(victim, front=True)
-        self.finished_req_ids.add(victim.request_id)  # the runner drops it; it comes back as a new request
-        self.preempted_req_ids.add(victim.request_id)
         return victim
+
+    def _requeue(self, request: Request) -> None:
+        """Free a running request's blocks and put it back at the front of the queue with nothing computed."""
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        self.waiting.add(request, front=True)
+        self.finished_req_ids.add(request.request_id)  # the runner drops it; it comes back as a new request
+        self.preempted_req_ids.add(request.request_id)
+
+    def _start_rope_regime(self, request: Request) -> None:
+        """LongRoPE models (``kv.longrope_original_max`` = O): a request starting from nothing computed rotates all
+        its KV with the long frequencies iff it has more than O tokens, as transformers does for a sequence that
+        long. Its block hashes move to that regime's hash space (``KVCacheManager``)."""
+        switch = self.kv.longrope_original_max
+        if switch is not None and not request.rope_long and request.num_tokens > switch:
+            request.rope_long = True
+            request.block_hashes = []  # hashed in the short regime's space
+
+    def _outgrew_rope_regime(self, request: Request, num_total: int) -> bool:
+        """Whether a running request of a LongRoPE model now has more than O tokens while its KV holds the short
+        rotation. transformers' ``generate`` then drops its cache and recomputes the whole sequence with the long
+        frequencies (Phi-3's ``prepare_inputs_for_generation``); the scheduler does the same by requeueing the
+        request (its short blocks stay cached for other short requests) and starting it again in the long
+        regime (not counted as a preemption). Once per request, at most O + 1 tokens recomputed."""
+        switch = self.kv.longrope_original_max
+        return switch is not None and not request.rope_long and num_total > switch
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
@@ -213,6 +235,10 @@ class Scheduler:
                 or num_total >= max_len
             ):
                 continue  # its in-flight token is its last: nothing more to compute
+            if self._outgrew_rope_regime(request, num_total):
+                self._requeue(request)  # restarted below, among the waiting requests, in the long regime
+                i = 0  # the running list changed: rescan, skipping requests already visited
+                continue
             num_new = min(num_total - request.num_computed_tokens, budget)
             num_new = min(num_new, max_len - request.num_computed_tokens)
             if num_new <= 0:
@@ -228,6 +254,9 @@ class Scheduler:
                         max_len - num_total - 1,
                         request.max_tokens - request.num_output_tokens - 1,
                     )
+                    switch = self.kv.longrope_original_max
+                    if switch is not None and not request.rope_long:  # LongRoPE: no short-regime query past O
+                        num_drafts = min(num_drafts, switch - num_total)
                     if num_drafts > 0:
                         spec_tokens[request.request_id] = drafts[:num_drafts]
                         num_new += num_drafts
@@ -277,6 +306,7 @@ class Scheduler:
                 continue
             hit_blocks, num_hit = None, 0
             if request.num_computed_tokens == 0:
+                self._start_rope_regime(request)
                 hit_blocks, num_hit = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit
             if not self.config.enable_chunked_prefill and num_new > budget:

@@ -15,6 +15,7 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import EngineCoreOutputs, EngineCoreRequest, SchedulerOutput, SchedulerStats
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.kernels import compile_watch
+from pagedllm.layers.rotary import longrope_original_max
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.worker.model_runner import ModelRunner, StepInFlight
 
@@ -91,7 +92,11 @@ class EngineCore:
             t_graphs - t0,
         )
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, block_size, config.cache_config.enable_prefix_caching, layout.group_windows
+            num_blocks,
+            block_size,
+            config.cache_config.enable_prefix_caching,
+            layout.group_windows,
+            longrope_original_max=longrope_original_max(config.model_config.hf_config),
         )
         lora_config = config.lora_config
         self.scheduler = Scheduler(

@@ -3,7 +3,8 @@
 For each token at position ``p`` and each head, the first ``rotary_dim = 2 * cos_cache.shape[1]`` dims are
 split into halves ``x1, x2`` and replaced by ``x1 * cos - x2 * sin`` and ``x2 * cos + x1 * sin`` with
 ``cos = cos_cache[p]``, ``sin = sin_cache[p]``; dims past ``rotary_dim`` are untouched. Math in fp32, one
-rounding to the tensor dtype. One program per token handles all q and k heads.
+rounding to the tensor dtype. One program per token handles all q and k heads. ``rotary_dim // 2`` need not be
+a power of two (Phi-3's 48): the kernel pads it to one and masks the rest.
 """
 
 from __future__ import annotations
@@ -19,11 +20,20 @@ from pagedllm.platform import use_pdl
 
 @triton.jit
 def _rotate_heads(
-    x_ptr, row, stride_t, stride_h, cos, sin, num_heads, HEADS_PAD: tl.constexpr, HALF: tl.constexpr
+    x_ptr,
+    row,
+    stride_t,
+    stride_h,
+    cos,
+    sin,
+    num_heads,
+    HEADS_PAD: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
 ):
     h = tl.arange(0, HEADS_PAD)[:, None]
-    d = tl.arange(0, HALF)[None, :]
-    mask = h < num_heads
+    d = tl.arange(0, HALF_PAD)[None, :]
+    mask = (h < num_heads) & (d < HALF)
     ptr1 = x_ptr + row * stride_t + h * stride_h + d
     x1 = tl.load(ptr1, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(ptr1 + HALF, mask=mask, other=0.0).to(tl.float32)
@@ -59,7 +69,8 @@ def _rotary_kernel(
     stride_cb,
     stride_cs,
     stride_ch,
-    HALF: tl.constexpr,  # rotary_dim // 2, a power of two
+    HALF: tl.constexpr,  # rotary_dim // 2
+    HALF_PAD: tl.constexpr,  # next power of two >= HALF
     Q_HEADS_PAD: tl.constexpr,
     K_HEADS_PAD: tl.constexpr,
     HEAD_DIM_POW2: tl.constexpr,  # head_dim (a power of two with CACHE)
@@ -71,11 +82,11 @@ def _rotary_kernel(
     pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + row).to(tl.int64)
-    d = tl.arange(0, HALF)[None, :]
-    cos = tl.load(cos_ptr + pos * stride_cos + d).to(tl.float32)  # [1, HALF]
-    sin = tl.load(sin_ptr + pos * stride_sin + d).to(tl.float32)
-    _rotate_heads(q_ptr, row, stride_qt, stride_qh, cos, sin, num_heads, Q_HEADS_PAD, HALF)
-    _rotate_heads(k_ptr, row, stride_kt, stride_kh, cos, sin, num_kv_heads, K_HEADS_PAD, HALF)
+    d = tl.arange(0, HALF_PAD)[None, :]
+    cos = tl.load(cos_ptr + pos * stride_cos + d, mask=d < HALF, other=0.0).to(tl.float32)  # [1, HALF_PAD]
+    sin = tl.load(sin_ptr + pos * stride_sin + d, mask=d < HALF, other=0.0).to(tl.float32)
+    _rotate_heads(q_ptr, row, stride_qt, stride_qh, cos, sin, num_heads, Q_HEADS_PAD, HALF, HALF_PAD)
+    _rotate_heads(k_ptr, row, stride_kt, stride_kh, cos, sin, num_kv_heads, K_HEADS_PAD, HALF, HALF_PAD)
     if CACHE:
         tl.debug_barrier()  # the rotated keys this program stored are visible to all its threads
         cache_token(
@@ -101,15 +112,14 @@ def rotary_embedding(
     assert positions.shape == (num_tokens,) and positions.dtype in (torch.int32, torch.int64)
     assert cos_cache.shape == sin_cache.shape and cos_cache.dim() == 2, f"cos {tuple(cos_cache.shape)}"
     half = cos_cache.shape[1]
-    assert 2 * half <= head_dim and half & (half - 1) == 0, (
-        f"rotary_dim {2 * half}: a power of two <= {head_dim}"
-    )
+    assert 0 < 2 * half <= head_dim, f"rotary_dim {2 * half} must be in (0, head_dim {head_dim}]"
     assert query.dtype == key.dtype, f"q {query.dtype} != k {key.dtype}"
     assert query.stride(2) == 1 and key.stride(2) == 1, "head_dim must be contiguous"
     assert cos_cache.stride(1) == 1 and sin_cache.stride(1) == 1
     if num_tokens == 0:
         return
     heads_pad = triton.next_power_of_2(max(num_heads, key.shape[1]))
+    half_pad = triton.next_power_of_2(half)
     pdl = use_pdl(query)
     if cache is not None:
         cache.check(key)
@@ -117,8 +127,9 @@ def rotary_embedding(
         query, key, cos_cache, sin_cache, positions,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), cos_cache.stride(0), sin_cache.stride(0),
         num_heads, key.shape[1], *cache_launch_args(cache, query),
-        HALF=half, Q_HEADS_PAD=triton.next_power_of_2(num_heads), K_HEADS_PAD=triton.next_power_of_2(key.shape[1]),
-        **cache_launch_options(cache, head_dim), PDL=pdl, num_warps=4 if heads_pad * half >= 1024 else 1,
+        HALF=half, HALF_PAD=half_pad, Q_HEADS_PAD=triton.next_power_of_2(num_heads),
+        K_HEADS_PAD=triton.next_power_of_2(key.shape[1]), **cache_launch_options(cache, head_dim), PDL=pdl,
+        num_warps=4 if heads_pad * half_pad >= 1024 else 1,
         **pdl_launch_options(pdl),
     )  # fmt: skip
 

@@ -23,7 +23,7 @@ from pagedllm.layers.attention import Attention
 from pagedllm.layers.embedding import LMHead, VocabEmbedding
 from pagedllm.layers.linear import MergedLinear, QKVLinear, RowParallelLinear, act_then_linear
 from pagedllm.layers.norm import RMSNorm
-from pagedllm.layers.rotary import RotaryEmbedding, get_rope, rope_config
+from pagedllm.layers.rotary import RotaryEmbedding, get_rope, rope_config, rotary_dim_of
 from pagedllm.platform import use_fused_kernels
 
 
@@ -250,8 +250,7 @@ class LlamaModel(nn.Module):
         pp: PPGroup | None = None,
     ) -> None:
         super().__init__()
-        theta, rope_scaling = rope_config(config)
-        rotary_emb = get_rope(head_dim_of(config), config.max_position_embeddings, theta, rope_scaling)
+        rotary_emb = self.make_rotary(config)
         norm_cls = self.norm_cls
         self.build_stage(
             config,
@@ -259,6 +258,12 @@ class LlamaModel(nn.Module):
             tp,
             pp,
         )
+
+    @staticmethod
+    def make_rotary(config: Any) -> RotaryEmbedding:
+        """The rotary embedding all layers share (a family with its own rope overrides this)."""
+        theta, rope_scaling = rope_config(config)
+        return get_rope(head_dim_of(config), config.max_position_embeddings, theta, rope_scaling)
 
     def build_stage(
         self,
@@ -379,8 +384,24 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     attention_cls = Qwen2Attention
 
 
+class Phi3Model(LlamaModel):
+    @staticmethod
+    def make_rotary(config: Any) -> RotaryEmbedding:
+        """Phi-3's rope: plain or LongRoPE (Phi-3-mini-128k, Phi-3.5-mini, Phi-4-mini), over the first
+        ``int(head_dim * partial_rotary_factor)`` features of each head (Phi-4-mini: 0.75). LongRoPE's short/long
+        choice depends on each token's request length, which the model runner folds into the positions it passes
+        (``pagedllm.layers.rotary.longrope_positions``)."""
+        theta, rope_scaling = rope_config(config, allow_partial=True, allow_longrope=True)
+        head_dim = head_dim_of(config)
+        return get_rope(
+            head_dim, config.max_position_embeddings, theta, rope_scaling, rotary_dim_of(config, head_dim)
+        )
+
+
 class Phi3ForCausalLM(LlamaForCausalLM):
     """Phi-3: the Llama layout, with qkv_proj and gate_up_proj already fused in the checkpoint (the loader
-    copies fused tensors whole). Every layer attends over ``sliding_window`` when the config sets one."""
+    copies fused tensors whole). Every layer attends over ``sliding_window`` when the config sets one. Its rope
+    may be LongRoPE and may rotate only part of each head (``Phi3Model``)."""
 
     attention_cls = MistralAttention
+    model_cls = Phi3Model

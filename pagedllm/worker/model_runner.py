@@ -23,6 +23,7 @@ from pagedllm.core.kv_cache_manager import KVCacheLayout, plan_kv_cache_layout
 from pagedllm.core.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.parallel_state import local_num_kv_heads
 from pagedllm.layers.attention import Attention, kv_scales_summary
+from pagedllm.layers.rotary import longrope_original_max, longrope_positions
 from pagedllm.platform import use_fused_kernels
 from pagedllm.sample.metadata import build_plain_sampling_metadata, build_sampling_metadata
 from pagedllm.sample.sampler import LogprobsTensors, Sampler, compute_logprobs_topk
@@ -115,6 +116,9 @@ class ModelRunner:
         # Steps of at most this many tokens per request also replay CUDA graphs: k + 1 with speculative decoding
         # (verification; a draft model's runner gets it from its proposer, for its catch-up passes).
         self.graph_query_len = 1 if spec is None else 1 + spec.num_speculative_tokens
+        # LongRoPE models: (original_max, max_position) for longrope_positions (None: positions go in as they are).
+        original_max = longrope_original_max(mc.hf_config)
+        self.longrope = None if original_max is None else (original_max, mc.hf_config.max_position_embeddings)
 
     # ------------------------------------------------------------------ LoRA
 
@@ -553,6 +557,8 @@ class ModelRunner:
                     batch.token_ids_np[row, start : start + len(drafts)] = drafts
                     num_draft[i] = len(drafts)
             input_ids = batch.token_ids_np[token_rows, positions]  # [num_tokens], drafts included
+        if self.longrope is not None:  # from here on, positions are rows of the model's rotary table
+            positions = longrope_positions(positions, batch.num_tokens_np[token_rows], *self.longrope)
 
         dev = self.device
         # Placeholders: a request's pending token is the first token it computes this step.

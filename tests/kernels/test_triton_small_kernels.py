@@ -179,7 +179,8 @@ def test_silu_and_mul_gpu(dtype, shape):
 @needs_cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    "shape", [(1, 32, 8, 128, 128), (77, 28, 4, 128, 128), (300, 16, 16, 64, 64), (5, 8, 2, 128, 64)]
+    "shape",
+    [(1, 32, 8, 128, 128), (77, 28, 4, 128, 128), (300, 16, 16, 64, 64), (5, 8, 2, 128, 64), (9, 24, 8, 128, 96)],
 )
 def test_rotary_gpu(dtype, shape):
     check_rotary(*shape, dtype, "cuda")
@@ -195,7 +196,12 @@ def test_reshape_and_cache_gpu(dtype, block_size, heads_dim):
 
 
 # (tokens, heads, kv heads, head_dim, rotary_dim, block_size)
-ROPE_CACHE_SHAPES = [(300, 32, 8, 128, 128, 16), (17, 16, 8, 128, 64, 1), (64, 14, 2, 64, 32, 8)]
+ROPE_CACHE_SHAPES = [
+    (300, 32, 8, 128, 128, 16),
+    (17, 16, 8, 128, 64, 1),
+    (64, 14, 2, 64, 32, 8),
+    (33, 24, 8, 128, 96, 16),  # Phi-4-mini: rotary_dim 96 of 128, half 48 padded to 64
+]
 
 
 @pytest.mark.gpu
@@ -243,6 +249,7 @@ def test_small_kernels_interpret(dtype):
     check_silu_and_mul(3, 1500, dtype, "cpu")
     check_rotary(6, 4, 2, 32, 32, dtype, "cpu")
     check_rotary(3, 5, 1, 64, 32, dtype, "cpu")  # partial rotary, non power-of-two head count
+    check_rotary(4, 3, 1, 32, 24, dtype, "cpu")  # rotary half 12: padded to 16 (3/4 of a head, as Phi-4-mini)
     check_reshape_and_cache(20, 3, 16, 4, dtype, "cpu")
     check_reshape_and_cache(9, 2, 32, 1, dtype, "cpu")
 
@@ -252,5 +259,6 @@ def test_small_kernels_interpret(dtype):
 def test_rope_writes_cache_interpret(dtype):
     check_rope_writes_cache(7, 4, 2, 32, 32, 4, dtype, "cpu")
     check_rope_writes_cache(5, 5, 1, 64, 32, 16, dtype, "cpu")  # partial rotary
+    check_rope_writes_cache(4, 3, 1, 32, 24, 4, dtype, "cpu")  # rotary half 12: padded to 16
     check_rope_writes_cache(6, 4, 2, 32, 32, 4, dtype, "cpu", norm=True)
     check_rope_writes_cache(3, 6, 3, 64, 32, 1, dtype, "cpu", norm=True)
