@@ -68,10 +68,14 @@ worker checks against its own: ranks that ever diverged fail loudly instead of m
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import shutil
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -79,6 +83,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pagedllm.config import EngineConfig
+from pagedllm.distributed.parallel_state import destroy_distributed
 
 logger = logging.getLogger(__name__)
 
@@ -152,12 +157,14 @@ def _worker_main(
     runner = ModelRunner(_rank_config(config, dev), tp=tp, pp=pp)
     samples = link is not None and rank == _sampler_rank(config)  # this rank samples for rank 0
     last = None  # async scheduling: the last launched step, whose tokens rank 0 sends with the next message
+    stopped = False
     try:
         while True:
             msg = [None]
             dist.broadcast_object_list(msg, src=0, group=control)
             method, args = msg[0]
             if method == "stop":
+                stopped = True
                 break
             if method == "launch":
                 sched, sampled, lora_slots, num_sent = args
@@ -193,11 +200,22 @@ def _worker_main(
             else:
                 getattr(runner, method)(*args)
     finally:
-        if runner.device.type == "cuda":
+        if runner.device.type == "cuda" and stopped:
             # NCCL's teardown waits for every CUDA graph that holds its kernels.
             runner.graph_runner = runner.piecewise = None
             torch.cuda.synchronize(runner.device)
-        dist.destroy_process_group()
+        if stopped:  # else rank 0 is gone or a call failed: no teardown with the others (this process ends now)
+            destroy_distributed()
+
+
+def _process_main(main: Any, *args: Any) -> None:
+    """A "mp" worker process: ``main(*args)`` (``_worker_main``), then, once it stopped cleanly, exit at once. Its
+    process group is gone and nothing is left to clean up, and tearing the interpreter down (torch's modules) would
+    keep rank 0's ``shutdown`` waiting for a second or more."""
+    main(*args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _count(tokens: torch.Tensor | None) -> int:
@@ -297,6 +315,7 @@ class ProcessWorkers:
                 f"{pc.pipeline_parallel_size} needs {size} GPUs; {torch.cuda.device_count()} visible "
                 "(more GPUs than this node has: distributed_executor_backend='ray' on a Ray cluster)"
             )
+        self._stopped = False
         self._dir = tempfile.mkdtemp(prefix="pagedllm-tp-")
         self.init_method = f"file://{os.path.join(self._dir, 'init')}"
         self.rank0_device = local_rank_device(config, 0)
@@ -304,8 +323,8 @@ class ProcessWorkers:
         self._started = [ctx.Event() for _ in range(1, size)]
         self.workers = [
             ctx.Process(
-                target=_worker_main,
-                args=(config, r, self.init_method, None, started),
+                target=_process_main,
+                args=(_worker_main, config, r, self.init_method, None, started),
                 daemon=True,
                 name=f"pagedllm-tp{r}",
             )
@@ -328,13 +347,24 @@ class ProcessWorkers:
                     raise RuntimeError(f"tensor/pipeline-parallel worker rank {rank} did not start in {timeout_s} s")
 
     def alive(self) -> bool:
-        return all(w.is_alive() for w in self.workers)
+        return not self._stopped and all(w.is_alive() for w in self.workers)
 
     def stop(self, timeout_s: float = 10.0) -> None:
+        """Wait up to ``timeout_s`` in all for the workers to exit (after "stop"), kill the ones still running,
+        reap them and remove the rendezvous directory. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        deadline = time.monotonic() + timeout_s
         for w in self.workers:
-            w.join(timeout_s)
-            if w.is_alive():
+            w.join(max(0.0, deadline - time.monotonic()))
+            if w.exitcode is None:
                 w.kill()
+                w.join(5.0)
+        for w in self.workers:
+            if w.exitcode is not None:
+                w.close()  # its sentinel and pipe
+        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 class MultiprocRunner:
@@ -359,8 +389,7 @@ class MultiprocRunner:
             self.runner = ModelRunner(_rank_config(config, device), tp=tp, pp=pp)
         except BaseException:  # the workers wait on rank 0, which will never come: end them now
             self._launcher.stop(timeout_s=0)
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            _leave_after_kill(device)
             raise
         self._sampled: dict[str, list[int]] = {}  # rank 0's last collected tokens, for the workers
         # Async scheduling (TP alone): the workers get each step's sampled tokens on the device instead, broadcast
@@ -369,6 +398,7 @@ class MultiprocRunner:
         self._async = config.scheduler_config.async_scheduling and pp.size == 1
         self._to_send: torch.Tensor | None = None
         self._stopped = False
+        self._num_open = 0  # calls every rank joins that have not returned (see _collective)
         self._size = size
         # Pipeline parallelism: the sampler's rank, and the launched step still owed its bitmask / output exchange.
         self._sampler = _sampler_rank(config)
@@ -392,12 +422,22 @@ class MultiprocRunner:
     def _broadcast(self, method: str, *args: Any) -> None:
         dist.broadcast_object_list([(method, args)], src=0, group=self._control)
 
+    @contextlib.contextmanager
+    def _collective(self) -> Iterator[None]:
+        """Wrap rank 0's part of a call every rank joins. Left by an exception (Ctrl-C included), the call stays
+        counted as open: the ranks may then wait in different collectives, and ``shutdown`` ends the workers
+        instead of telling them to stop (which would wait out the collective timeout)."""
+        self._num_open += 1
+        yield
+        self._num_open -= 1
+
     def call_workers(self, method: str, *args: Any) -> None:
         """Run a worker-side call that reports back (``add_lora`` / ``remove_lora`` on each worker's LoRA
         manager); ``ValueError`` naming the ranks where it raised."""
-        self._broadcast(method, *args)
         errors: list[str | None] = [None] * self._size
-        dist.gather_object(None, errors, dst=0, group=self._control)
+        with self._collective():
+            self._broadcast(method, *args)
+            dist.gather_object(None, errors, dst=0, group=self._control)
         failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
         if failed:
             raise ValueError(f"{method} failed on tensor-parallel {'; '.join(failed)}")
@@ -410,12 +450,13 @@ class MultiprocRunner:
         if self._uncollected is not None:
             self.collect(self._uncollected)
         to_send = self._take_to_send()
-        self._broadcast("batch_tokens", self._sampled, _count(to_send))
-        if to_send is not None:
-            dist.broadcast(to_send, src=0, group=self._tp.group)
         states: list[Any] = [None] * self._size
         mine = _batch_tokens(self.runner, self._sampled if self._link is not None else None)
-        dist.gather_object(mine, states, dst=0, group=self._control)
+        with self._collective():
+            self._broadcast("batch_tokens", self._sampled, _count(to_send))
+            if to_send is not None:
+                dist.broadcast(to_send, src=0, group=self._tp.group)
+            dist.gather_object(mine, states, dst=0, group=self._control)
         for rank, state in enumerate(states[1:], start=1):
             if state != mine:
                 bad = sorted(r for r in set(state) | set(mine) if state.get(r) != mine.get(r))
@@ -426,14 +467,16 @@ class MultiprocRunner:
 
     def determine_num_blocks(self, extra_block_bytes: int = 0) -> int:
         """The smallest block count any rank can hold (every rank uses the same block ids)."""
-        self._broadcast("determine_num_blocks", extra_block_bytes)
-        n = torch.tensor([self.runner.determine_num_blocks(extra_block_bytes)])
-        dist.all_reduce(n, op=dist.ReduceOp.MIN, group=self._control)
+        with self._collective():
+            self._broadcast("determine_num_blocks", extra_block_bytes)
+            n = torch.tensor([self.runner.determine_num_blocks(extra_block_bytes)])
+            dist.all_reduce(n, op=dist.ReduceOp.MIN, group=self._control)
         return int(n.item())
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        self._broadcast("init_kv_cache", num_blocks)
-        self.runner.init_kv_cache(num_blocks)
+        with self._collective():
+            self._broadcast("init_kv_cache", num_blocks)
+            self.runner.init_kv_cache(num_blocks)
 
     def maybe_capture_cuda_graphs(self) -> None:
         """Under TP alone, every rank captures the same decode graphs, in the same order, with the model's NCCL
@@ -446,23 +489,25 @@ class MultiprocRunner:
         if os.environ.get("PAGEDLLM_TP_CUDA_GRAPHS", "1") == "0":
             logger.info("tensor parallel: CUDA graphs off (PAGEDLLM_TP_CUDA_GRAPHS=0)")
             return
-        self._broadcast("maybe_capture_cuda_graphs")
-        self.runner.maybe_capture_cuda_graphs()
+        with self._collective():
+            self._broadcast("maybe_capture_cuda_graphs")
+            self.runner.maybe_capture_cuda_graphs()
 
     def launch(self, sched: Any) -> Any:
         if self._uncollected is not None:  # the engine always collects; never leave the sampler waiting
             self.collect(self._uncollected)
         lora = self.runner.lora_manager
         to_send = self._take_to_send()
-        self._broadcast(
-            "launch", sched, self._sampled, None if lora is None else lora.slot_table(), _count(to_send)
-        )
-        if to_send is not None:
-            dist.broadcast(to_send, src=0, group=self._tp.group)
-        if self._link is not None:  # the sampler is another rank: append its tokens here too
-            self.runner.apply_sampled(self._sampled)
-        self._sampled = {}
-        step = self.runner.launch(sched)
+        with self._collective():
+            self._broadcast(
+                "launch", sched, self._sampled, None if lora is None else lora.slot_table(), _count(to_send)
+            )
+            if to_send is not None:
+                dist.broadcast(to_send, src=0, group=self._tp.group)
+            if self._link is not None:  # the sampler is another rank: append its tokens here too
+                self.runner.apply_sampled(self._sampled)
+            self._sampled = {}
+            step = self.runner.launch(sched)
         if self._link is not None:
             self._unsampled = self._uncollected = step
         return step
@@ -478,8 +523,9 @@ class MultiprocRunner:
             if self._async and step.sampled is not None and step.sampled.numel():
                 self._to_send = step.sampled.contiguous()
         elif step is self._unsampled:
+            with self._collective():
+                dist.broadcast_object_list([grammar_bitmask], src=0, group=self._link)
             self._unsampled = None
-            dist.broadcast_object_list([grammar_bitmask], src=0, group=self._link)
 
     def collect(self, step: Any) -> Any:
         if self._link is None:
@@ -487,7 +533,8 @@ class MultiprocRunner:
         elif step is self._uncollected:
             self.sample(step)  # no-op unless the engine skipped sample()
             msg: list[Any] = [None]
-            dist.broadcast_object_list(msg, src=self._sampler, group=self._link)
+            with self._collective():
+                dist.broadcast_object_list(msg, src=self._sampler, group=self._link)
             out = step.output = msg[0]  # rank 0's own runner reads it from there (collect is idempotent)
             self._uncollected = None
         else:
@@ -499,26 +546,53 @@ class MultiprocRunner:
         return out
 
     def shutdown(self) -> None:
+        """Stop the workers, leave torch.distributed (every group of this process) and release rank 0's runner
+        (``ModelRunner.shutdown``). Idempotent.
+
+        Normally rank 0 finishes a pipeline step still owed its exchange, broadcasts "stop" and tears the groups
+        down together with the workers, which destroy theirs on "stop" (NCCL's teardown waits for every rank, so
+        stopping the workers first would deadlock). When a worker died, or a call every rank joins was cut off
+        (``_collective``), telling the workers could wait forever: they are killed and the groups aborted (gloo;
+        see ``_leave_after_kill`` for NCCL)."""
         if self._stopped:
             return
         self._stopped = True
+        runner = self.runner
+        orderly = self._num_open == 0 and self._launcher.alive()
         try:
-            self._broadcast("stop")
-        except Exception:  # noqa: BLE001 - a dead worker: nothing to tell
-            pass
-        # Tear the process group down together with the workers (they destroy theirs on "stop"): NCCL's
-        # communicator teardown waits for every rank, so stopping the workers first would deadlock. With a dead
-        # worker on CUDA the teardown would wait forever: leave the group (the engine is dead anyway).
-        if dist.is_initialized():
-            cuda = self.runner.device.type == "cuda"
-            if not cuda or self._launcher.alive():
-                if cuda:
-                    self.runner.graph_runner = self.runner.piecewise = None  # see the worker's teardown
-                    torch.cuda.synchronize(self.runner.device)
-                dist.destroy_process_group()
+            if orderly:
+                try:
+                    if self._uncollected is not None:  # the sampler waits for its bitmask
+                        self.collect(self._uncollected)
+                    self._broadcast("stop")
+                except Exception:  # noqa: BLE001 - a worker died meanwhile: end them all below
+                    orderly = False
+            if orderly and runner.device.type == "cuda":
+                runner.graph_runner = runner.piecewise = None  # see the worker's teardown
+                torch.cuda.synchronize(runner.device)
+            if orderly:
+                destroy_distributed()
             else:
-                logger.warning("a worker died: leaving its NCCL process group without tearing it down")
-        self._launcher.stop()
+                logger.warning("killing the tensor/pipeline-parallel workers (a worker died or a call was cut off)")
+                self._launcher.stop(timeout_s=0)
+                _leave_after_kill(runner.device)
+        finally:
+            self._launcher.stop()
+            runner.shutdown()
+
+
+def _leave_after_kill(device: torch.device) -> None:
+    """Leave torch.distributed once the workers were killed. Gloo's groups are aborted. NCCL's are left as they
+    are: aborting a communicator whose peer died inside a collective waits for that peer (seen on H200, torch
+    2.11), so the process keeps them, and another tensor/pipeline-parallel engine needs a new process."""
+    if device.type == "cuda":
+        if dist.is_initialized():
+            logger.warning(
+                "a worker was lost: this process keeps its NCCL groups (tearing them down would wait for it); "
+                "start another tensor/pipeline-parallel engine in a new process"
+            )
+        return
+    destroy_distributed(abort=True)
 
 
 TensorParallelRunner = MultiprocRunner  # the name before pipeline parallelism

@@ -32,12 +32,15 @@ What is split (``T = tp_size``, rank ``r``):
 from __future__ import annotations
 
 import datetime
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -264,10 +267,23 @@ def init_parallel_groups(
     return tp, pp
 
 
-def destroy_distributed() -> None:
-    """Leave torch.distributed (no-op when it was never joined)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def destroy_distributed(abort: bool = False) -> None:
+    """Leave torch.distributed: destroy every process group of this process, the default one included, so that
+    ``dist.is_initialized()`` is False and a new world can be joined (no-op when none was joined).
+
+    ``abort``: for peers that died or were left inside a collective: the groups are aborted (NCCL: the
+    communicators without the collective teardown that would wait for those peers), falling back to destroying
+    them when the backend cannot abort."""
+    if not dist.is_initialized():
+        return
+    if abort:
+        try:
+            dist.distributed_c10d._abort_process_group()
+        except Exception:  # noqa: BLE001 - an older torch or a backend without abort: destroy instead
+            logger.warning("aborting the process groups failed; destroying them", exc_info=True)
+        else:
+            return
+    dist.destroy_process_group()
 
 
 def divide(numerator: int, tp_size: int, field: str) -> int:

@@ -93,9 +93,13 @@ class DataParallelEngineCore:
         from pagedllm.engine.engine_core import EngineCore
 
         self.cores = []
-        for c in rank_configs(config):
-            with on_device(c):
-                self.cores.append(EngineCore(c, tokenizer=tokenizer))
+        try:
+            for c in rank_configs(config):
+                with on_device(c):
+                    self.cores.append(EngineCore(c, tokenizer=tokenizer))
+        except BaseException:  # the ranks started so far must not outlive the failed start
+            self.shutdown()
+            raise
         self._router = _Router(len(self.cores))
 
     def __getattr__(self, name: str) -> Any:
@@ -157,9 +161,17 @@ class DataParallelEngineCore:
         return set().union(*(core.list_loras() for core in self.cores))
 
     def shutdown(self) -> None:
+        """Shut every rank's core down (``EngineCore.shutdown``), each even when another's raised (the first
+        error is raised at the end). Idempotent."""
+        error: BaseException | None = None
         for core in self.cores:
-            with on_device(core.config):
-                core.shutdown()
+            try:
+                with on_device(core.config):
+                    core.shutdown()
+            except Exception as e:  # noqa: BLE001 - raised once every rank is down
+                error = error or e
+        if error is not None:
+            raise error
 
 
 def _merge_debug(states: list[dict]) -> dict:

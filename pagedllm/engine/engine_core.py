@@ -5,6 +5,7 @@ The sync ``LLMEngine`` drives one in-process; the server runs one in its own pro
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from typing import Any
@@ -41,6 +42,10 @@ class EngineCore:
         self.config = config
         self._tokenizer = tokenizer
         self.structured: StructuredOutputManager | None = None  # created at the first constrained request
+        self.proposer = None
+        self._in_flight: tuple[SchedulerOutput, StepInFlight] | None = None  # launched, not yet collected
+        self._pending_sample: tuple[StepInFlight, Any] | None = None  # launched; its bitmask is being filled
+        self._shut_down = False
         t0 = time.perf_counter()
         # Batch limits the user left unset: the device's defaults (before any rank reads them).
         config.scheduler_config.resolve_defaults(config.device_config.device)
@@ -50,7 +55,19 @@ class EngineCore:
             self.runner = MultiprocRunner(config)  # rank 0 here, the other ranks in worker processes
         else:
             self.runner = ModelRunner(config)
-        self.proposer = None
+        try:
+            self._start(t0)
+        except BaseException:  # workers, process groups and device memory must not outlive a failed start
+            try:
+                self.shutdown()
+            except Exception:  # noqa: BLE001 - the start-up error is the one to raise
+                logger.exception("releasing the engine core after a failed start failed")
+            raise
+
+    def _start(self, t0: float) -> None:
+        """Everything after the runner: the proposer, the memory profile, the KV cache, CUDA graphs, the
+        scheduler."""
+        config = self.config
         if config.speculative_config is not None:
             from pagedllm.spec_decode.proposer import make_proposer
 
@@ -108,8 +125,6 @@ class EngineCore:
         self.async_scheduling = config.scheduler_config.async_scheduling
         if self.proposer is not None:
             self.proposer.init_kv_cache(num_blocks, self.kv_cache_manager)
-        self._in_flight: tuple[SchedulerOutput, StepInFlight] | None = None  # launched, not yet collected
-        self._pending_sample: tuple[StepInFlight, Any] | None = None  # launched; its bitmask is being filled
         self.vocab_size = config.model_config.vocab_size
         self.check_integrity_on_idle = config.check_integrity_on_idle
         self._idle_check_due = False  # work arrived since the last idle check
@@ -437,9 +452,44 @@ class EngineCore:
         return set() if manager is None else manager.list_loras()
 
     def shutdown(self) -> None:
-        self._pending_sample = None
-        if hasattr(self.runner, "shutdown"):
-            self.runner.shutdown()
-        self.runner.kv_caches = []
-        if self.structured is not None:
-            self.structured.shutdown()
+        """Release everything the core holds: the grammar threads, the workers and process groups of a parallel
+        runner, and the device memory of the runners (weights, KV cache, CUDA graphs; a draft model's too), then
+        hand the allocator's cached memory back to the device. Idempotent; the core cannot step afterwards (its
+        scheduler stays readable: ``get_stats``, ``debug_state``)."""
+        if self._shut_down:
+            return
+        self._shut_down = True
+        self._pending_sample = self._in_flight = None
+        runner, self.runner = self.runner, None
+        proposer, self.proposer = self.proposer, None
+        structured, self.structured = self.structured, None
+        device = runner.device
+        draft = getattr(proposer, "runner", None)  # a draft model's own runner (an EAGLE head uses the target's)
+        try:
+            if structured is not None:
+                structured.shutdown()
+        finally:
+            try:
+                if draft is not None and draft is not runner:
+                    draft.shutdown()
+            finally:
+                runner.shutdown()
+                del runner, proposer, draft
+                _release_device_memory(device)
+
+
+def _release_device_memory(device: Any) -> None:
+    """CUDA: collect what the dropped runners left in reference cycles, then return the caching allocator's free
+    blocks and cuBLAS's workspaces to the device. (Host memory in cycles goes with the next collection.)"""
+    if device.type != "cuda":
+        return
+    import torch
+
+    gc.collect()
+
+    with torch.cuda.device(device):
+        torch.cuda.synchronize()
+        clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear_workspaces is not None:
+            clear_workspaces()
+        torch.cuda.empty_cache()

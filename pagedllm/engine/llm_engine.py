@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,7 +21,11 @@ PromptType = str | list[int] | Mapping[str, Any]
 
 
 class LLMEngine:
-    """Text in, ``RequestOutput``s out, one ``step()`` at a time. Not thread-safe: one caller drives it."""
+    """Text in, ``RequestOutput``s out, one ``step()`` at a time. Not thread-safe: one caller drives it.
+
+    ``shutdown()`` releases the engine (worker processes, process groups, device memory, threads); so does
+    dropping the last reference to it, and interpreter exit.
+    """
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -35,6 +40,8 @@ class LLMEngine:
         else:
             self.engine_core = EngineCore(config, tokenizer=self.tokenizer)
         self.last_stats = SchedulerStats()
+        # The core never refers back to this engine, so the finalizer (which holds the core) lets it be collected.
+        self._finalizer = weakref.finalize(self, self.engine_core.shutdown)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> LLMEngine:
@@ -58,6 +65,7 @@ class LLMEngine:
 
     def add_processed_request(self, processed: ProcessedRequest) -> None:
         """Queue a processed request in both halves; on failure neither half keeps any of it."""
+        self._check_running()
         self.output_processor.add_request(processed)  # raises on a duplicate request id
         added: list[str] = []
         try:
@@ -85,6 +93,7 @@ class LLMEngine:
         )
 
     def step(self) -> list[RequestOutput]:
+        self._check_running()
         outputs = self.engine_core.step()
         if outputs.stats is not None:
             self.last_stats = outputs.stats
@@ -97,6 +106,9 @@ class LLMEngine:
     def abort_request(self, request_ids: str | list[str]) -> None:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
+        if self.is_shut_down:  # nothing runs any more
+            self.output_processor.abort_requests(list(request_ids))
+            return
         self.engine_core.abort_requests(self.output_processor.abort_requests(list(request_ids)))
         self.engine_core.on_idle()
 
@@ -114,10 +126,28 @@ class LLMEngine:
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load an adapter ahead of its requests (``ValueError`` if it cannot be served)."""
+        self._check_running()
         return self.engine_core.add_lora(lora_request)
 
     def remove_lora(self, lora_int_id: int) -> bool:
+        self._check_running()
         return self.engine_core.remove_lora(lora_int_id)
 
     def list_loras(self) -> set[int]:
+        self._check_running()
         return self.engine_core.list_loras()
+
+    @property
+    def is_shut_down(self) -> bool:
+        return not self._finalizer.alive
+
+    def _check_running(self) -> None:
+        if self.is_shut_down:
+            raise RuntimeError("this engine has been shut down")
+
+    def shutdown(self) -> None:
+        """Stop the engine core and release what it holds: tensor/pipeline-parallel worker processes, this
+        process's torch.distributed groups, device memory (weights, KV cache, CUDA graphs, the allocator's cache)
+        and grammar threads. Idempotent. Unfinished requests are dropped; ``step``, ``add_request`` and the LoRA
+        calls raise ``RuntimeError`` afterwards."""
+        self._finalizer()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
+from types import TracebackType
 from typing import Any
 
 from pagedllm.config import make_engine_config
@@ -20,6 +21,11 @@ class LLM:
     """Generate text for batches of prompts with continuous batching over a paged KV cache.
 
     ``model=None`` loads the bundled demo model. Keyword arguments carry vLLM's names and defaults.
+
+    ``shutdown()`` releases the engine's worker processes, torch.distributed groups, device memory and threads,
+    so that another ``LLM`` (tensor- or pipeline-parallel too) can start in this process; ``with LLM(...) as llm:``
+    shuts down on leaving the block, and dropping the last reference to the ``LLM`` does it when the object is
+    collected. A shut-down ``LLM`` raises ``RuntimeError`` when used.
     """
 
     def __init__(
@@ -116,6 +122,26 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def shutdown(self) -> None:
+        """Release the engine (``LLMEngine.shutdown``): worker processes, process groups, device memory (weights,
+        KV cache, CUDA graphs, the allocator's cache) and threads. Idempotent."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.shutdown()
+
+    def _check_running(self) -> None:
+        if self.llm_engine.is_shut_down:
+            raise RuntimeError("this LLM has been shut down; create a new LLM to generate again")
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -129,8 +155,10 @@ class LLM:
         A prompt is a string, a list of token ids, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``.
         ``lora_request``: one adapter for every prompt, or one (or None: the base model) per prompt; needs
         ``enable_lora=True``. Every prompt is validated before any is queued, so a ``ValueError`` leaves the
-        engine untouched (an adapter that fails to load is refused when its request is added).
+        engine untouched (an adapter that fails to load is refused when its request is added). ``RuntimeError``
+        after ``shutdown()``.
         """
+        self._check_running()
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -199,6 +227,7 @@ class LLM:
         the template, as in vLLM. Calls the model writes stay in the text: the server's ``--tool-call-parser``
         parses them, or ``structured_outputs`` forces a JSON shape.
         """
+        self._check_running()
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of messages or of conversations")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
@@ -226,19 +255,21 @@ class LLM:
             pbar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
         start = time.perf_counter()
         num_out_tokens = 0
-        while pending:
-            for out in engine.step():
-                if out.finished and out.request_id in pending:
-                    pending.discard(out.request_id)
-                    done[out.request_id] = out
-                    if pbar is not None:
-                        num_out_tokens += sum(len(o.token_ids) for o in out.outputs)
-                        pbar.set_postfix_str(
-                            f"output {num_out_tokens / (time.perf_counter() - start):.1f} tok/s"
-                        )
-                        pbar.update(1)
-            if pending and not engine.has_unfinished_requests():
-                raise RuntimeError(f"engine went idle with {len(pending)} requests unfinished")
-        if pbar is not None:
-            pbar.close()
+        try:
+            while pending:
+                for out in engine.step():
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
+                        done[out.request_id] = out
+                        if pbar is not None:
+                            num_out_tokens += sum(len(o.token_ids) for o in out.outputs)
+                            pbar.set_postfix_str(
+                                f"output {num_out_tokens / (time.perf_counter() - start):.1f} tok/s"
+                            )
+                            pbar.update(1)
+                if pending and not engine.has_unfinished_requests():
+                    raise RuntimeError(f"engine went idle with {len(pending)} requests unfinished")
+        finally:
+            if pbar is not None:
+                pbar.close()  # also ends tqdm's monitor thread once no bar is left
         return [done[r] for r in request_ids]

@@ -523,6 +523,8 @@ class StructuredOutputManager:
         return buf[:n], self._held[self._turn]
 
     def shutdown(self) -> None:
+        """Stop the compile and fill threads: queued work is cancelled, a running compile or fill ends first, so
+        no thread of this manager outlives the call. Idempotent."""
         for executor in (self._executor, self._fill_executor):
             if executor is not None:
-                executor.shutdown(wait=False, cancel_futures=True)
+                executor.shutdown(wait=True, cancel_futures=True)

@@ -321,6 +321,19 @@ class ModelRunner:
             "KV cache dtype %s%s", self.kv_cache_dtype, kv_scales_summary(self.model, self.kv_cache_dtype)
         )
 
+    def shutdown(self) -> None:
+        """Drop every device tensor this runner holds: the CUDA graphs (and their memory pools) first, then the KV
+        cache, the step in flight, the persistent batch's buffers, LoRA slots and the weights. The runner cannot
+        run afterwards; the caller empties the allocator's cache (``EngineCore.shutdown``). Idempotent."""
+        if self.device.type == "cuda" and self.model is not None:
+            torch.cuda.synchronize(self.device)  # nothing queued may still write into what is dropped here
+        self.graph_runner = self.piecewise = None
+        self._last_step = None
+        self.kv_caches = []
+        self.input_batch = None
+        self.lora_manager = None
+        self.model = None
+
     def _graph_mode(self) -> str:
         """The CUDA graph mode (``EngineConfig.cudagraph_mode``, from vLLM's ``compilation_config``)."""
         return getattr(self.config, "cudagraph_mode", "FULL_AND_PIECEWISE")
