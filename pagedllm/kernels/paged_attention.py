@@ -43,6 +43,12 @@ starts each row's online softmax from it instead of from nothing: running max ``
 sum 1 (``acc`` stays 0). Split-K: only split 0 starts from the sink (the others from -1e30 and 0), so the merge
 counts it once, unchanged. Prefill, chunked prefill and decode tiles all go through that one initialisation.
 
+Head sizes. ``head_dim`` is a power of two >= 16, or a multiple of 16 up to 256 (Phi-3's 96, Phi-2's 80): the
+tiles are ``HEAD_PAD = next_power_of_2(head_dim)`` wide, and every load and store of q, k, v, the output and the
+split-K partials is masked to ``d < head_dim``, the lanes past it read as 0 (so the dot products and the output are
+those of the unpadded head). These masks exist only where ``HEAD_PAD != HEAD_DIM`` (constexpr branches): a
+power-of-two head compiles to the code it had without them.
+
 FP8 KV cache (``float8_e4m3fn``, per-tensor ``k_scale`` / ``v_scale``; see ``pagedllm/attention/base.py``). Each
 K/V tile is loaded as fp8 (half the bytes of bf16) and converted in registers to the query's dtype (exact: every
 e4m3 value is a bf16/fp16/fp32 value); the scales never touch the tiles: ``k_scale`` is folded into the score
@@ -141,12 +147,13 @@ def _attend_tile(
     q, m_i, l_i, acc, t, q_pos, kv_end, qk_scale, cap_log2, window, block_table_row, kv_cache_ptr, v_cache_ptr,
     kv_head_off, stride_cb, stride_cs, offs_d,
     TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr,
-    SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr,
+    SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
 ):  # fmt: skip
     """One key tile of the online softmax. MASKED: the tile may hold keys past ``kv_end``, after a row's own
     position (the causal diagonal) or, with SLIDING, at or behind a row's ``q_pos - window``; otherwise every
     key is visible to every row and no mask is built. SOFT_CAP: scores are ``cap_log2 * tanh(dot * qk_scale)``
-    (``qk_scale`` = scale / cap), else ``dot * qk_scale`` (``qk_scale`` = scale * log2(e))."""
+    (``qk_scale`` = scale / cap), else ``dot * qk_scale`` (``qk_scale`` = scale * log2(e)). ``offs_d`` spans
+    ``HEAD_PAD``; with ``HEAD_PAD != HEAD_DIM`` the k and v lanes ``d >= HEAD_DIM`` are not read (they are 0)."""
     offs_n = t * TILE_N + tl.arange(0, TILE_N)
     if MASKED:
         n_valid = offs_n < kv_end
@@ -154,10 +161,15 @@ def _attend_tile(
     else:
         block = tl.load(block_table_row + offs_n // BLOCK_SIZE).to(tl.int64)
     slot_off = block * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs + kv_head_off  # [TILE_N]
-    if MASKED:
+    if HEAD_PAD != HEAD_DIM:
+        k_ok = offs_d[:, None] < HEAD_DIM  # [HEAD_PAD, 1]
+        if MASKED:
+            k_ok = k_ok & n_valid[None, :]
+        k = tl.load(kv_cache_ptr + slot_off[None, :] + offs_d[:, None], mask=k_ok, other=0.0)
+    elif MASKED:
         k = tl.load(kv_cache_ptr + slot_off[None, :] + offs_d[:, None], mask=n_valid[None, :], other=0.0)
     else:
-        k = tl.load(kv_cache_ptr + slot_off[None, :] + offs_d[:, None])  # [HEAD_DIM, TILE_N]
+        k = tl.load(kv_cache_ptr + slot_off[None, :] + offs_d[:, None])  # [HEAD_PAD, TILE_N]
     k = k.to(q.dtype)  # fp8 cache: exact widening in registers (no-op otherwise)
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N], log2 units
     if SOFT_CAP:
@@ -171,10 +183,15 @@ def _attend_tile(
     alpha = tl.math.exp2(m_i - m_new)
     p = tl.math.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if MASKED:
+    if HEAD_PAD != HEAD_DIM:
+        v_ok = offs_d[None, :] < HEAD_DIM  # [1, HEAD_PAD]
+        if MASKED:
+            v_ok = v_ok & n_valid[:, None]
+        v = tl.load(v_cache_ptr + slot_off[:, None] + offs_d[None, :], mask=v_ok, other=0.0)
+    elif MASKED:
         v = tl.load(v_cache_ptr + slot_off[:, None] + offs_d[None, :], mask=n_valid[:, None], other=0.0)
     else:
-        v = tl.load(v_cache_ptr + slot_off[:, None] + offs_d[None, :])  # [TILE_N, HEAD_DIM]
+        v = tl.load(v_cache_ptr + slot_off[:, None] + offs_d[None, :])  # [TILE_N, HEAD_PAD]
     v = v.to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
@@ -216,6 +233,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,  # tile rows, >= 16 for tl.dot
     TILE_N: tl.constexpr,  # keys per inner step
     HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,  # next power of two >= HEAD_DIM: the tiles' width (lanes past HEAD_DIM masked)
     BLOCK_SIZE: tl.constexpr,  # KV cache block size
     NUM_SPLITS: tl.constexpr,
     PURE_DECODE: tl.constexpr,
@@ -258,7 +276,7 @@ def _paged_attention_kernel(
     ctx_len = seq_len - q_len  # keys already cached before this step's queries
 
     offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, HEAD_PAD)
     tok = offs_m // G_PAD
     g = offs_m % G_PAD
     q_tok = q_tok0 + tok
@@ -266,10 +284,14 @@ def _paged_attention_kernel(
     head = kv_head * GROUP + g
     q_row = (q_start + q_tok).to(tl.int64)
     q_pos = ctx_len + q_tok  # absolute position of each row's query
+    if HEAD_PAD != HEAD_DIM:  # the rows and lanes of q, the output and the partials that exist
+        io_mask = row_valid[:, None] & (offs_d[None, :] < HEAD_DIM)  # [BLOCK_M, HEAD_PAD]
+    else:
+        io_mask = row_valid[:, None]
 
     q = tl.load(
         q_ptr + q_row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-        mask=row_valid[:, None],
+        mask=io_mask,
         other=0.0,
     )
 
@@ -298,7 +320,7 @@ def _paged_attention_kernel(
         sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0).to(tl.float32) * 1.4426950408889634
         m_i = tl.where(split == 0, sink, m_i)
         l_i = tl.where(split == 0, 1.0, l_i)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     block_table_row = block_table_ptr + req.to(tl.int64) * stride_bt
     kv_head_off = kv_head * stride_ch
     v_cache_ptr = kv_cache_ptr + stride_kv
@@ -315,19 +337,19 @@ def _paged_attention_kernel(
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, t, q_pos, kv_end, qk_scale, cap_log2, window, block_table_row, kv_cache_ptr,
                 v_cache_ptr, kv_head_off, stride_cb, stride_cs, offs_d, TILE_N, BLOCK_SIZE, DOT_PRECISION,
-                True, SLIDING, SOFT_CAP,
+                True, SLIDING, SOFT_CAP, HEAD_DIM, HEAD_PAD,
             )  # fmt: skip
     for t in range(tl.maximum(tile_lo, f_lo), tl.minimum(tile_hi, f_hi)):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, t, q_pos, kv_end, qk_scale, cap_log2, window, block_table_row, kv_cache_ptr,
             v_cache_ptr, kv_head_off, stride_cb, stride_cs, offs_d, TILE_N, BLOCK_SIZE, DOT_PRECISION,
-            False, SLIDING, SOFT_CAP,
+            False, SLIDING, SOFT_CAP, HEAD_DIM, HEAD_PAD,
         )  # fmt: skip
     for t in range(tl.maximum(tile_lo, f_hi), tile_hi):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, t, q_pos, kv_end, qk_scale, cap_log2, window, block_table_row, kv_cache_ptr,
             v_cache_ptr, kv_head_off, stride_cb, stride_cs, offs_d, TILE_N, BLOCK_SIZE, DOT_PRECISION,
-            True, SLIDING, SOFT_CAP,
+            True, SLIDING, SOFT_CAP, HEAD_DIM, HEAD_PAD,
         )  # fmt: skip
 
     if KV_FP8:
@@ -337,13 +359,11 @@ def _paged_attention_kernel(
         tl.store(
             out_ptr + q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
             out.to(out_ptr.dtype.element_ty),
-            mask=row_valid[:, None],
+            mask=io_mask,
         )
     else:
         row0 = (q_row * NUM_HEADS + head) * NUM_SPLITS  # [BLOCK_M]: each row's split 0
-        tl.store(
-            part_acc_ptr + (row0 + split)[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_valid[:, None]
-        )
+        tl.store(part_acc_ptr + (row0 + split)[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=io_mask)
         tl.store(part_ml_ptr + row0 + split, m_i, mask=row_valid)
         tl.store(part_ml_ptr + part_ml_stride + row0 + split, l_i, mask=row_valid)
         # The last of this q tile's splits to finish merges them all, in split order (deterministic).
@@ -356,7 +376,7 @@ def _paged_attention_kernel(
                 m_s = tl.load(part_ml_ptr + row0 + s, mask=row_valid, other=-1.0e30, cache_modifier=".cg")
                 m_max = tl.maximum(m_max, m_s)
             denom = tl.zeros([BLOCK_M], dtype=tl.float32)
-            out = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+            out = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
             for s in range(NUM_SPLITS):
                 m_s = tl.load(part_ml_ptr + row0 + s, mask=row_valid, other=-1.0e30, cache_modifier=".cg")
                 l_s = tl.load(
@@ -366,7 +386,7 @@ def _paged_attention_kernel(
                 denom += w * l_s
                 acc_s = tl.load(
                     part_acc_ptr + (row0 + s)[:, None] * HEAD_DIM + offs_d[None, :],
-                    mask=row_valid[:, None],
+                    mask=io_mask,
                     other=0.0,
                     cache_modifier=".cg",
                 )
@@ -375,7 +395,7 @@ def _paged_attention_kernel(
             tl.store(
                 out_ptr + q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                 out.to(out_ptr.dtype.element_ty),
-                mask=row_valid[:, None],
+                mask=io_mask,
             )
             tl.atomic_xchg(counter, 0)  # ready for the next launch (or graph replay)
 
@@ -435,8 +455,8 @@ def paged_attention(
     _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
     assert cache_head_dim == head_dim, f"head_dim {head_dim} != cache head_dim {cache_head_dim}"
     assert num_heads % num_kv_heads == 0, f"num_heads {num_heads} not a multiple of {num_kv_heads}"
-    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, (
-        f"head_dim {head_dim}: need a power of two >= 16"
+    assert head_dim >= 16 and (head_dim & (head_dim - 1) == 0 or (head_dim % 16 == 0 and head_dim <= 256)), (
+        f"head_dim {head_dim}: need a power of two >= 16, or a multiple of 16 <= 256"
     )
     kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
     assert kv_fp8 or query.dtype == kv_cache.dtype, f"query {query.dtype} != kv_cache {kv_cache.dtype}"
@@ -513,6 +533,7 @@ def paged_attention(
         BLOCK_M=block_m,
         TILE_N=tile_n,
         HEAD_DIM=head_dim,
+        HEAD_PAD=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size,
         NUM_SPLITS=num_splits,
         PURE_DECODE=pure_decode,

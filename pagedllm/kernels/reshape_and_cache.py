@@ -1,7 +1,8 @@
 """Write this step's keys and values into the paged KV cache.
 
 Token t goes to slot ``slot_mapping[t]`` = ``block_id * block_size + offset``; a slot of -1 means "skip"
-(padding tokens). One program per token copies all of its KV heads, keys and values.
+(padding tokens). One program per token copies all of its KV heads, keys and values. A head_dim that is not a power
+of two (Phi-3's 96) is padded to one in the program, the lanes past it masked; a power of two has no such mask.
 
 FP8 cache (``float8_e4m3fn``, ``kv_cache_dtype="fp8"``): the program stores
 ``e4m3(clamp(k / k_scale, -448, 448))`` (values with ``v_scale``), computed in fp32 (IEEE division) and rounded to
@@ -34,6 +35,12 @@ class KVCacheWrite:
 
     def check(self, key: torch.Tensor) -> None:
         _check(key, self.value, self.kv_cache, self.slot_mapping)
+        head_dim = key.shape[2]
+        # The RoPE kernels hand cache_token next_power_of_2(head_dim) as HEAD_DIM (no HEAD_PAD): only exact for a
+        # power of two; any other head would be written past its end.
+        assert head_dim & (head_dim - 1) == 0, (
+            f"head_dim {head_dim}: the RoPE kernels write the KV cache of power-of-two heads only"
+        )
 
     def launch_args(self) -> tuple:
         """value, kv_cache, slot_mapping, k_scale, v_scale and the strides, in :func:`cache_token`'s order."""
@@ -66,6 +73,7 @@ def cache_token(
     HEADS_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     FP8: tl.constexpr,
+    HEAD_PAD: tl.constexpr = 0,  # next power of two >= HEAD_DIM; 0 (or HEAD_DIM): HEAD_DIM is a power of two
 ):
     """Copy token ``t``'s keys and values (all KV heads) into its cache slot; nothing for slot -1."""
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
@@ -73,8 +81,12 @@ def cache_token(
         block = slot // BLOCK_SIZE
         offset = slot % BLOCK_SIZE
         h = tl.arange(0, HEADS_PAD)[:, None]
-        d = tl.arange(0, HEAD_DIM)[None, :]
-        mask = h < num_kv_heads
+        if HEAD_PAD > HEAD_DIM:  # [HEADS_PAD, HEAD_PAD] tile, the lanes past HEAD_DIM masked
+            d = tl.arange(0, HEAD_PAD)[None, :]
+            mask = (h < num_kv_heads) & (d < HEAD_DIM)
+        else:
+            d = tl.arange(0, HEAD_DIM)[None, :]
+            mask = h < num_kv_heads
         src_t = t.to(tl.int64)
         k = tl.load(key_ptr + src_t * stride_kt + h * stride_kh + d, mask=mask)
         v = tl.load(value_ptr + src_t * stride_vt + h * stride_vh + d, mask=mask)
@@ -105,6 +117,7 @@ def _reshape_and_cache_kernel(
     stride_ch,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,  # next power of two >= HEAD_DIM
     HEADS_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     FP8: tl.constexpr,  # the cache is float8_e4m3fn: scale, clamp and round on the way in
@@ -114,7 +127,7 @@ def _reshape_and_cache_kernel(
     cache_token(
         tl.program_id(0), key_ptr, stride_kt, stride_kh, value_ptr, kv_cache_ptr, slot_mapping_ptr, k_scale, v_scale,
         stride_vt, stride_vh, stride_kv, stride_cb, stride_cs, stride_ch, NUM_KV_HEADS, HEAD_DIM, HEADS_PAD,
-        BLOCK_SIZE, FP8,
+        BLOCK_SIZE, FP8, HEAD_PAD,
     )  # fmt: skip
 
 
@@ -132,6 +145,7 @@ def reshape_and_cache(
     if num_tokens == 0:
         return
     fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    head_pad = triton.next_power_of_2(head_dim)
     pdl = use_pdl(key)
     _reshape_and_cache_kernel[(num_tokens,)](
         key,
@@ -150,11 +164,12 @@ def reshape_and_cache(
         kv_cache.stride(3),
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
+        HEAD_PAD=head_pad,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         BLOCK_SIZE=kv_cache.shape[2],
         FP8=fp8,
         PDL=pdl,
-        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
+        num_warps=4 if num_kv_heads * head_pad >= 1024 else 1,
         **pdl_launch_options(pdl),
     )
 
@@ -177,7 +192,6 @@ def _check(
     assert key.stride(2) == 1 and value.stride(2) == 1 and kv_cache.stride(4) == 1, (
         "head_dim must be contiguous"
     )
-    assert head_dim & (head_dim - 1) == 0, f"head_dim {head_dim} must be a power of two"
 
 
 def reshape_and_cache_ref(

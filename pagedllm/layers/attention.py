@@ -139,12 +139,14 @@ class Attention(nn.Module):
     ) -> KVCacheWrite | None:
         """Where the kernel that makes this step's keys (RoPE) may also write them and ``value`` into this layer's
         cache, exactly as the backend would: the backend's slot mapping for this layer's KV group and its FP8
-        scales. None where the backend writes the cache itself (not the Triton one, off the fused kernels, or
-        ``PAGEDLLM_ROPE_WRITES_KV=0``); otherwise the caller must pass ``kv_written=True`` to :meth:`forward` once
+        scales. None where the backend writes the cache itself (not the Triton one, off the fused kernels, a
+        head size that is not a power of two, or ``PAGEDLLM_ROPE_WRITES_KV=0``); otherwise the caller must pass ``kv_written=True`` to :meth:`forward` once
         the keys are written."""
         if not getattr(self.attn_backend, "accepts_written_kv", False) or not use_fused_kernels(value):
             return None
         if os.environ.get("PAGEDLLM_ROPE_WRITES_KV", "1") == "0":  # a switch for A/B runs
+            return None
+        if self.head_dim & (self.head_dim - 1):  # e.g. Phi-3's 96: the RoPE kernels' write covers 2^k heads only
             return None
         from pagedllm.kernels.reshape_and_cache import KVCacheWrite
 

@@ -92,6 +92,14 @@ def poison_behind_window(b: dict, lens: list[tuple[int, int]], window: int) -> t
     return cache
 
 
+def with_gap(x: torch.Tensor, gap: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` copied into a buffer whose last dim is ``gap`` NaN lanes wider: (the view equal to ``x``, the buffer).
+    A kernel that reads a lane past the head turns its output NaN; one that writes there leaves a number in the gap."""
+    buf = torch.full((*x.shape[:-1], x.shape[-1] + gap), float("nan"), dtype=x.dtype, device=x.device)
+    buf[..., : x.shape[-1]] = x
+    return buf[..., : x.shape[-1]], buf
+
+
 def make_sinks(num_heads: int, seed: int = 0) -> torch.Tensor:
     """Per-head sink logits from strongly negative (the sink hardly counts) to large (it takes most of the
     weight, even over 100+ keys): ``[num_heads]`` float32."""
@@ -104,17 +112,21 @@ def make_sinks(num_heads: int, seed: int = 0) -> torch.Tensor:
 
 def check_attention(
     lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, num_splits=None, seed=0, pad_tokens=0,
-    sliding_window=None, soft_cap=None, scale=None, sinks=None,
+    sliding_window=None, soft_cap=None, scale=None, sinks=None, head_gap=0,
 ) -> float:  # fmt: skip
     """Kernel vs the float64 reference. With a window, cache entries behind it are NaN for the kernel (the
     reference reads the clean cache): skipped tiles must really be skipped. ``sinks``: ``[num_heads]`` float32
-    (the kernel reads them as given, in the query's dtype here; the reference in float64)."""
+    (the kernel reads them as given, in the query's dtype here; the reference in float64). ``head_gap``: the
+    kernel's query, cache and output sit in buffers with that many NaN lanes after each head (see with_gap)."""
     b = make_batch(lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, seed, pad_tokens)
     scale = scale or head_dim**-0.5
     cache = b["kv_cache"] if sliding_window is None else poison_behind_window(b, lens, sliding_window)
     out = torch.full_like(b["query"], float("nan"))
+    query = b["query"]
+    if head_gap:
+        (query, _), (cache, _), (out, out_buf) = (with_gap(x, head_gap) for x in (query, cache, out))
     paged_attention(
-        b["query"],
+        query,
         cache,
         b["block_table"],
         b["seq_lens"],
@@ -145,6 +157,8 @@ def check_attention(
     n = b["num_tokens"]
     err = rel_l2(out[:n], ref[:n])
     assert err < TOL[dtype], f"rel L2 {err:.2e} >= {TOL[dtype]:.0e} for {lens}"
+    if head_gap:
+        assert out_buf[..., head_dim:].isnan().all(), "a store past the head"
     return err
 
 
@@ -217,11 +231,35 @@ def test_paged_attention_gqa_gpu(heads, dtype, lens):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("head_dim", [64, 256])
+@pytest.mark.parametrize("head_dim", [64, 256, 80, 96, 160, 192])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_paged_attention_head_dims_gpu(head_dim, dtype):
     check_attention(MIXED, 16, 4, head_dim, 16, dtype, "cuda")
     check_attention(DECODE, 16, 4, head_dim, 16, dtype, "cuda", num_splits=4)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("head_dim", [96, 80])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@ALL_LENS
+def test_paged_attention_padded_head_dim_gpu(head_dim, dtype, lens):
+    """Phi-3's 96 (and 80): tiles padded to 128, lanes past the head masked, in buffers with NaN between heads."""
+    check_attention(lens, 32, 32, head_dim, 16, dtype, "cuda", head_gap=32)
+    check_attention(lens, 32, 8, head_dim, 16, dtype, "cuda", head_gap=16, sliding_window=64, soft_cap=30.0,
+                    sinks=make_sinks(32))  # fmt: skip
+    check_attention_fp8(lens, 32, 8, head_dim, 16, dtype, "cuda", 0.02, 3.0)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("num_splits", [None, 2, 8])
+def test_paged_attention_padded_head_dim_split_k_gpu(num_splits):
+    lens = [(1, 4096), (1, 1), (1, 3001), (1, 700), (1, 17)]
+    check_attention(lens, 32, 32, 96, 16, torch.bfloat16, "cuda", num_splits, head_gap=32)
+    check_attention([(40, 5000), (1, 900)], 32, 8, 96, 32, torch.bfloat16, "cuda", num_splits, head_gap=16,
+                    sliding_window=700, soft_cap=50.0, sinks=make_sinks(32))  # fmt: skip
+    check_attention_fp8(lens, 32, 8, 96, 16, torch.bfloat16, "cuda", 0.5, 2.0, num_splits)
 
 
 @pytest.mark.gpu
@@ -585,6 +623,33 @@ def test_triton_backend_sinks_interpret():
     check_backend(torch.float32, "cpu", sliding_window=12, sinks=make_sinks(8, seed=2))
 
 
+@needs_interpreter
+@pytest.mark.parametrize("head_dim", [96, 80])
+def test_paged_attention_padded_head_dim_interpret(head_dim):
+    """A head_dim that is not a power of two (Phi-3's 96), padded to 128 in the kernel: prefill tiles (a mixed
+    batch), pure decode, split-K decodes and a chunk with the merge, a window with soft-cap and sinks. The query,
+    cache and output sit in buffers with NaN lanes after each head: no lane past the head is read or written."""
+    check_attention(MIXED, 4, 2, head_dim, 16, torch.float32, "cpu", head_gap=16)
+    check_attention(DECODE, 4, 1, head_dim, 8, torch.bfloat16, "cpu", head_gap=32)
+    check_attention([(1, 600), (1, 1), (1, 75), (9, 700)], 4, 2, head_dim, 16, torch.float32, "cpu", 4, head_gap=16)
+    check_attention(CHUNKED, 8, 2, head_dim, 4, torch.bfloat16, "cpu", pad_tokens=3, sliding_window=20,
+                    soft_cap=2.0, scale=0.3, sinks=make_sinks(8), head_gap=16)  # fmt: skip
+
+
+@needs_interpreter
+def test_paged_attention_padded_head_dim_fp8_interpret():
+    check_attention_fp8(MIXED, 4, 2, 96, 16, torch.bfloat16, "cpu", 0.3, 2.0)
+    check_attention_fp8([(1, 600), (9, 700), (3, 3)], 4, 2, 96, 16, torch.float32, "cpu", 0.5, 2.0, 4, 40, 2.0)
+
+
+@needs_interpreter
+def test_triton_backend_padded_head_dim_interpret():
+    """The backend step at head_dim 96: the cache write (padded too) and the two launches of a mixed step that
+    starts with decodes."""
+    check_backend(torch.float32, "cpu", head_dim=96)
+    check_backend(torch.bfloat16, "cpu", LEADING_DECODES, head_dim=96, sliding_window=12, logits_soft_cap=5.0)
+
+
 # ---------------------------------------------------------------------------------------------- CPU
 
 
@@ -627,10 +692,10 @@ def test_sinks_reference_matches_naive_softmax():
     assert (out - plain).abs().max() > 0.1  # the sinks matter in this batch
 
 
-def check_backend(dtype, device, lens=((1, 40), (13, 30), (1, 9), (6, 6)), **options):
+def check_backend(dtype, device, lens=((1, 40), (13, 30), (1, 9), (6, 6)), head_dim=32, **options):
     """The whole backend step (cache write, attention) against TorchAttentionBackend on one batch; ``options``
     (sliding_window, logits_soft_cap) go to both."""
-    num_heads, num_kv_heads, head_dim, block_size = 8, 2, 32, 16
+    num_heads, num_kv_heads, block_size = 8, 2, 16
     b = make_batch(lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, seed=3, pad_tokens=2)
     num_tokens = b["num_tokens"]
     # Slots of this step's tokens: positions seq_len - q_len .. seq_len - 1 of each request.
@@ -674,6 +739,7 @@ def check_backend(dtype, device, lens=((1, 40), (13, 30), (1, 9), (6, 6)), **opt
 def test_triton_backend_leading_decodes_gpu(dtype):
     check_backend(dtype, "cuda", LEADING_DECODES)
     check_backend(dtype, "cuda", LEADING_DECODES, sliding_window=20, logits_soft_cap=2.0)
+    check_backend(dtype, "cuda", LEADING_DECODES, head_dim=96, sliding_window=20, sinks=make_sinks(8).cuda())
 
 
 # ------------------------------------------------------------------------------------ FP8 KV cache
@@ -784,12 +850,13 @@ def test_paged_attention_fp8_split_k_window_gpu(num_splits):
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("k_scale,v_scale", [(1.0, 1.0), (0.01, 4.0)])
-def test_reshape_and_cache_fp8_gpu(dtype, k_scale, v_scale):
+@pytest.mark.parametrize("head_dim", [128, 96])
+def test_reshape_and_cache_fp8_gpu(dtype, k_scale, v_scale, head_dim):
     """The FP8 cache write against its twin, byte for byte (values past 448 * scale clamp, padding skipped)."""
     from pagedllm.kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
 
     g = torch.Generator().manual_seed(1)
-    num_tokens, num_kv_heads, head_dim, block_size, num_blocks = 300, 8, 128, 16, 40
+    num_tokens, num_kv_heads, block_size, num_blocks = 300, 8, 16, 40
     key = (5 * torch.randn(num_tokens, num_kv_heads, head_dim, generator=g)).to(dtype).cuda()
     value = (5 * torch.randn(num_tokens, num_kv_heads, head_dim, generator=g)).to(dtype).cuda()
     slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]

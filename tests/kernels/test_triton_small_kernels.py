@@ -94,7 +94,9 @@ def check_rotary(num_tokens, num_heads, num_kv_heads, head_dim, rotary_dim, dtyp
     assert torch.equal(qkv[:, v_start:], qkv_ref[:, v_start:])  # v untouched
 
 
-def check_reshape_and_cache(num_tokens, num_kv_heads, head_dim, block_size, dtype, device, seed=0):
+def check_reshape_and_cache(num_tokens, num_kv_heads, head_dim, block_size, dtype, device, seed=0, cache_gap=0):
+    """Against the twin on a NaN-poisoned cache. ``cache_gap``: the cache is a view of a buffer with that many NaN
+    lanes after each head, which must stay NaN (a head that is not a power of two is padded in the kernel)."""
     num_blocks = triton_cdiv(num_tokens, block_size) + 4
     g = torch.Generator().manual_seed(seed)
     slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
@@ -102,14 +104,16 @@ def check_reshape_and_cache(num_tokens, num_kv_heads, head_dim, block_size, dtyp
     slot_mapping = slots.to(torch.int64).to(device)
     kv = randn(num_tokens, 3 * num_kv_heads, head_dim, dtype=dtype, device=device, seed=seed)
     key, value = kv[:, :num_kv_heads], kv[:, 2 * num_kv_heads :]  # strided views
-    cache = torch.full(
-        (2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype, device=device
+    buf = torch.full(
+        (2, num_blocks, block_size, num_kv_heads, head_dim + cache_gap), float("nan"), dtype=dtype, device=device
     )
+    cache = buf[..., :head_dim]
     cache_ref = cache.clone()
     reshape_and_cache(key, value, cache, slot_mapping)
     reshape_and_cache_ref(key, value, cache_ref, slot_mapping)
     assert torch.equal(cache.isnan(), cache_ref.isnan())  # the same slots written, the rest untouched
     assert torch.equal(cache.nan_to_num(), cache_ref.nan_to_num())
+    assert buf[..., head_dim:].isnan().all()  # nothing written past a head
 
 
 def check_rope_writes_cache(
@@ -190,9 +194,10 @@ def test_rotary_gpu(dtype, shape):
 @needs_cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [1, 16, 32, 128])
-@pytest.mark.parametrize("heads_dim", [(8, 128), (2, 64), (5, 128)])
+@pytest.mark.parametrize("heads_dim", [(8, 128), (2, 64), (5, 128), (32, 96), (8, 80), (4, 192)])
 def test_reshape_and_cache_gpu(dtype, block_size, heads_dim):
-    check_reshape_and_cache(1000, *heads_dim, block_size, dtype, "cuda")
+    gap = 0 if heads_dim[1] & (heads_dim[1] - 1) == 0 else 16  # padded heads: in a buffer with NaN between heads
+    check_reshape_and_cache(1000, *heads_dim, block_size, dtype, "cuda", cache_gap=gap)
 
 
 # (tokens, heads, kv heads, head_dim, rotary_dim, block_size)
@@ -252,6 +257,8 @@ def test_small_kernels_interpret(dtype):
     check_rotary(4, 3, 1, 32, 24, dtype, "cpu")  # rotary half 12: padded to 16 (3/4 of a head, as Phi-4-mini)
     check_reshape_and_cache(20, 3, 16, 4, dtype, "cpu")
     check_reshape_and_cache(9, 2, 32, 1, dtype, "cpu")
+    check_reshape_and_cache(11, 3, 96, 4, dtype, "cpu", cache_gap=16)  # Phi-3's head: padded to 128, masked
+    check_reshape_and_cache(7, 2, 48, 2, dtype, "cpu", cache_gap=8)
 
 
 @needs_interpreter
@@ -262,3 +269,13 @@ def test_rope_writes_cache_interpret(dtype):
     check_rope_writes_cache(4, 3, 1, 32, 24, 4, dtype, "cpu")  # rotary half 12: padded to 16
     check_rope_writes_cache(6, 4, 2, 32, 32, 4, dtype, "cpu", norm=True)
     check_rope_writes_cache(3, 6, 3, 64, 32, 1, dtype, "cpu", norm=True)
+
+
+def test_rope_cache_write_refuses_padded_heads():
+    """The RoPE kernels' cache write covers power-of-two heads only (they pass no HEAD_PAD to cache_token): a
+    KVCacheWrite for a 96-wide head is refused before any launch (reshape_and_cache takes it)."""
+    kv = torch.zeros(3, 2, 96)
+    write = KVCacheWrite(kv, torch.zeros(2, 4, 4, 2, 96), torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(AssertionError, match="power-of-two heads"):
+        write.check(kv)
+    KVCacheWrite(kv[..., :64], torch.zeros(2, 4, 4, 2, 64), torch.zeros(3, dtype=torch.int64)).check(kv[..., :64])

@@ -78,6 +78,16 @@ VARIANTS = {
         original_max_position_embeddings=ORIGINAL_MAX,
         **_rope_overrides(longrope_params(12, partial=0.75)),
     ),
+    # Phi-3.5-mini's head size, 96 (not a power of two: the padded attention kernels on a GPU)
+    "phi35-hd96": dict(
+        sliding_window=None,
+        hidden_size=192,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=MAX_POSITION,
+        original_max_position_embeddings=ORIGINAL_MAX,
+        **_rope_overrides(longrope_params(48)),
+    ),
     # partial rotary with plain RoPE (rotary_dim 12 of head_dim 16)
     "partial-default": dict(
         sliding_window=None,
@@ -263,7 +273,7 @@ def test_reference_is_generate(phi3_dirs: dict[str, str]) -> None:
 # ------------------------------------------------------------------------------------------- engine vs HF
 
 
-@pytest.mark.parametrize("name", ["phi35-longrope", "phi4mini"])
+@pytest.mark.parametrize("name", ["phi35-longrope", "phi4mini", "phi35-hd96"])
 def test_longrope_generate_across_switch(phi3_dirs: dict[str, str], name: str) -> None:
     """Short prompts that decode past the switch, long prompts, and both in one batch, whole, in chunks of 8
     tokens and with async scheduling, match ``generate``."""
@@ -364,7 +374,7 @@ def test_partial_rotary_generate(phi3_dirs: dict[str, str]) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["phi35-longrope", "phi4mini"])
+@pytest.mark.parametrize("name", ["phi35-longrope", "phi4mini", "phi35-hd96"])
 def test_longrope_on_gpu(phi3_dirs: dict[str, str], name: str) -> None:
     """The Triton path (fused RoPE writing the KV cache, padded rotary halves for Phi-4-mini's 12, CUDA graphs for
     decode and piecewise graphs for the rest, or eager) in float32 against ``generate``: each prompt's tokens
