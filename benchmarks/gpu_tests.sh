@@ -24,6 +24,7 @@ groups=(
 alone=(  # group:test
   "kernels:tests/kernels/test_triton_gumbel_sample.py::test_gumbel_batch_past_int32_elements_gpu"
   "engine:tests/engine/test_gpu_engine.py::test_gpu_memory_utilization_sizes_cache_from_profile"
+  "engine:tests/engine/test_llm_shutdown.py::test_gpu_memory_returns_after_shutdown"
   "engine:tests/structured_output/test_structured_output.py::test_gpu_constrained_tokens_match_between_sync_and_async_with_cuda_graphs"
 )
 deselect=(); for t in "${alone[@]}"; do deselect+=(--deselect "${t#*:}"); done

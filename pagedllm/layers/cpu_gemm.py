@@ -21,6 +21,7 @@ rounding, not bit for bit in float32 (bfloat16 ``F.linear`` already runs through
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -38,6 +39,21 @@ def onednn_enabled() -> bool:
     if os.environ.get("PAGEDLLM_CPU_ONEDNN", "1") == "0":
         return False
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def can_pack(dtype: torch.dtype) -> bool:
+    """Whether weights of ``dtype`` get packed: packing on (``onednn_enabled``) and oneDNN packs ``dtype`` on this
+    CPU (bfloat16 needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT; a CPU without them raises at the first pack)."""
+    return dtype in _PACKED_DTYPES and onednn_enabled() and _packs_on_this_cpu(dtype)
+
+
+@functools.cache
+def _packs_on_this_cpu(dtype: torch.dtype) -> bool:
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype))  # tried once, on a small weight
+    except RuntimeError:
+        return False
+    return True
 
 
 class PackedWeight:
@@ -64,11 +80,11 @@ class PackedWeight:
 def pack_weight(weight: torch.Tensor, min_elements: int | None = None) -> PackedWeight | None:
     """A ``PackedWeight`` for ``weight`` ([out, in]), or None where the layer should stay on ``F.linear``: not on
     CPU, another dtype, fewer than ``min_elements`` (default ``PACK_MIN_ELEMENTS``) elements, or packing turned
-    off or unavailable."""
+    off or unavailable (for this dtype on this CPU: ``can_pack``)."""
     if weight.device.type != "cpu" or weight.dtype not in _PACKED_DTYPES or weight.dim() != 2:
         return None
     least = PACK_MIN_ELEMENTS if min_elements is None else min_elements
-    if weight.numel() == 0 or weight.numel() < least or not onednn_enabled():
+    if weight.numel() == 0 or weight.numel() < least or not can_pack(weight.dtype):
         return None
     packed = PackedWeight(weight)
     packed.get(weight)  # pack now (start-up), not at the first step

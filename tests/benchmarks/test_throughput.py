@@ -41,7 +41,7 @@ def test_json_schema_flag_takes_default_a_file_or_text(tmp_path) -> None:
 @pytest.mark.parametrize(
     "value, why",
     [
-        ('{"type": "foo"}', "cannot be used for constrained decoding"),  # JSON, not a schema xgrammar takes
+        ('{"type": "foo"}', "cannot be enforced by constrained decoding"),  # JSON, not a schema
         ('{"type": ', "not valid JSON"),
         ("[1, 2]", "is not 'default'"),
         ("defualt", "is not 'default'"),

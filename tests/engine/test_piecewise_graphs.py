@@ -53,10 +53,10 @@ def _graph_cls(log: _Log):
 
 @pytest.fixture
 def cpu_runner(tiny_llama):
-    llm = LLM(
+    with LLM(
         tiny_llama, dtype="float32", device="cpu", num_gpu_blocks_override=16, block_size=4, max_model_len=64
-    )
-    return llm.llm_engine.engine_core.runner
+    ) as llm:  # held until the test ends: a dropped LLM releases its runner's model
+        yield llm.llm_engine.engine_core.runner
 
 
 def _attention_layers(model) -> list[Attention]:
@@ -312,7 +312,8 @@ def test_the_mode_decides_what_is_captured(tiny_llama, monkeypatch, mode, piecew
     monkeypatch.setattr(runner, "_warm_up_eager_steps", lambda: calls.append("warm-up"))
     runner.maybe_capture_cuda_graphs()
     assert calls == (captured + ["warm-up"] if mode != "NONE" else [])
-    llm.llm_engine.engine_core.shutdown()
+    monkeypatch.setattr(runner, "device", torch.device("cpu"))  # what it is: shutdown synchronizes a CUDA device
+    llm.shutdown()
     with pytest.raises(ValueError, match="cudagraph_mode"):
         LLM(tiny_llama, device="cpu", compilation_config={"cudagraph_mode": "ALWAYS"})
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from pagedllm.attention.torch_ref import TorchAttentionBackend
 from pagedllm.config import ModelConfig
 from pagedllm.layers import cpu_gemm
-from pagedllm.layers.cpu_gemm import linear, onednn_enabled, pack_weight
+from pagedllm.layers.cpu_gemm import can_pack, linear, onednn_enabled, pack_weight
 from pagedllm.layers.embedding import LMHead
 from pagedllm.layers.linear import Linear, UnquantizedLinearMethod
 from pagedllm.model_loader import get_model
@@ -45,7 +45,14 @@ def test_packed_linear_takes_any_leading_shape_and_strided_input() -> None:
     torch.testing.assert_close(linear(x, w, packed), F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
-@needs_onednn
+def test_a_dtype_this_cpu_cannot_pack_stays_on_f_linear(monkeypatch) -> None:
+    from pagedllm.layers import cpu_gemm
+
+    monkeypatch.setattr(cpu_gemm, "can_pack", lambda dtype: dtype != torch.bfloat16)
+    assert pack_weight(torch.randn(128, 64).bfloat16(), min_elements=0) is None
+
+
+@pytest.mark.skipif(not can_pack(torch.bfloat16), reason="oneDNN packs no bfloat16 weights on this CPU")
 def test_packed_linear_bfloat16_equals_f_linear() -> None:
     # bfloat16 F.linear already runs through oneDNN on CPU: packing changes the layout, not the result.
     g = torch.Generator().manual_seed(2)

@@ -449,9 +449,10 @@ def test_gemma2_soft_caps_matter(tiny_model_dirs: dict[str, str], tmp_path: Path
     torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
 
 
-def test_partial_rotary_is_refused(tmp_path: Path) -> None:
+def test_partial_rotary_is_refused_where_the_model_ignores_it(tmp_path: Path) -> None:
+    """transformers' Llama rotates whole heads whatever partial_rotary_factor says: refused, not guessed."""
     path = make_tiny_model(
-        "phi3",
+        "llama",
         tmp_path / "p",
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
     )
