@@ -18,6 +18,7 @@ from pagedllm.core.scheduler import Scheduler
 from pagedllm.kernels import compile_watch
 from pagedllm.layers.rotary import longrope_original_max
 from pagedllm.structured_output.manager import StructuredOutputManager
+from pagedllm.worker.cpu_threads import CpuThreadGovernor, apply_user_thread_setting
 from pagedllm.worker.model_runner import ModelRunner, StepInFlight
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,12 @@ class EngineCore:
         self._in_flight: tuple[SchedulerOutput, StepInFlight] | None = None  # launched, not yet collected
         self._pending_sample: tuple[StepInFlight, Any] | None = None  # launched; its bitmask is being filled
         self._shut_down = False
+        # One CPU engine in this process: its op thread count follows the cores other processes leave free
+        # (tensor-parallel CPU workers keep their fixed share).
+        self._cpu_threads: CpuThreadGovernor | None = None
+        if config.device_config.device.type == "cpu" and config.parallel_config.world_size == 1:
+            apply_user_thread_setting()
+            self._cpu_threads = CpuThreadGovernor()
         t0 = time.perf_counter()
         # Batch limits the user left unset: the device's defaults (before any rank reads them).
         config.scheduler_config.resolve_defaults(config.device_config.device)
@@ -283,6 +290,8 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         """Run one step. With async scheduling, launch step N+1, then return step N's outputs: the scheduler
         plans and the host bookkeeps while the device computes."""
+        if self._cpu_threads is not None:
+            self._cpu_threads.maybe_update()
         if self.async_scheduling:
             return self._step_async()
         if not self.scheduler.has_unfinished_requests():
@@ -460,6 +469,8 @@ class EngineCore:
             return
         self._shut_down = True
         self._pending_sample = self._in_flight = None
+        if self._cpu_threads is not None:
+            self._cpu_threads.release()
         runner, self.runner = self.runner, None
         proposer, self.proposer = self.proposer, None
         structured, self.structured = self.structured, None
