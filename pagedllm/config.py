@@ -258,6 +258,14 @@ class SchedulerConfig:
     # running request (fewer when its max_tokens is nearer): admitting into the room they are about to grow
     # into would only get requests preempted and recomputed. 0: admit while blocks last (vLLM's rule).
     admission_headroom_tokens: int = field(default_factory=lambda: _env_int("PAGEDLLM_ADMISSION_HEADROOM", 128))
+    # vLLM's burst knobs (core/scheduler.py has the rules). long_prefill_token_threshold > 0: no request computes
+    # more than this many tokens in one step, and a prompt with more than this many tokens left is "long".
+    # 0 (vLLM's default) is off, unless max_num_partial_prefills > 1 derives it as vLLM does (4% of max_model_len).
+    long_prefill_token_threshold: int = 0
+    # At most this many requests mid-prefill at once, of which at most max_long_partial_prefills long ones;
+    # 1 and 1 (vLLM's defaults) leave admission unlimited, as in vLLM. Only vLLM's V0 engine implements these two.
+    max_num_partial_prefills: int = 1
+    max_long_partial_prefills: int = 1
 
     def __post_init__(self) -> None:
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
@@ -270,7 +278,32 @@ class SchedulerConfig:
             raise ValueError(f"admission_headroom_tokens must be >= 0, got {self.admission_headroom_tokens!r}")
         if self.usage_context not in USAGE_CONTEXTS:
             raise ValueError(f"usage_context must be one of {USAGE_CONTEXTS}, got {self.usage_context!r}")
+        self._check_partial_prefills()
         self._check_unchunked()
+
+    def _check_partial_prefills(self) -> None:
+        """vLLM's checks on the burst knobs (ValueError naming the field), and its derived threshold."""
+        for name in ("long_prefill_token_threshold", "max_num_partial_prefills", "max_long_partial_prefills"):
+            value, least = getattr(self, name), 0 if name == "long_prefill_token_threshold" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+        if self.max_long_partial_prefills > self.max_num_partial_prefills:
+            raise ValueError(
+                f"max_long_partial_prefills ({self.max_long_partial_prefills}) must be <= max_num_partial_prefills "
+                f"({self.max_num_partial_prefills})"
+            )
+        if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
+            raise ValueError("long_prefill_token_threshold > 0 chunks prompts: it needs enable_chunked_prefill")
+        if self.max_num_partial_prefills > 1:
+            if not self.enable_chunked_prefill:
+                raise ValueError("max_num_partial_prefills > 1 needs chunked prefill (enable_chunked_prefill)")
+            if self.long_prefill_token_threshold == 0:
+                self.long_prefill_token_threshold = int(self.max_model_len * 0.04)
+            if self.long_prefill_token_threshold > self.max_model_len:
+                raise ValueError(
+                    f"long_prefill_token_threshold ({self.long_prefill_token_threshold}) must be <= max_model_len "
+                    f"({self.max_model_len})"
+                )
 
     def resolve_defaults(self, device: torch.device) -> None:
         """Fill whichever of ``max_num_batched_tokens`` / ``max_num_seqs`` is None from
@@ -624,6 +657,9 @@ def make_engine_config(
     served_model_name: str | None = None,
     attention_backend: str | None = None,
     scheduling_policy: str = "fcfs",
+    long_prefill_token_threshold: int = 0,
+    max_num_partial_prefills: int = 1,
+    max_long_partial_prefills: int = 1,
     check_integrity_on_idle: bool = True,
     async_scheduling: bool | None = None,
     reasoning_parser: str | None = None,
@@ -685,6 +721,9 @@ def make_engine_config(
         max_num_batched_tokens=max_num_batched_tokens,
         enable_chunked_prefill=enable_chunked_prefill,
         policy=scheduling_policy,
+        long_prefill_token_threshold=long_prefill_token_threshold,
+        max_num_partial_prefills=max_num_partial_prefills,
+        max_long_partial_prefills=max_long_partial_prefills,
         usage_context=usage_context,
         # None: on where it measures faster (CUDA, where the GPU would otherwise wait for Python); off on CPU,
         # where the host computes the step itself and there is nothing to overlap.

@@ -16,6 +16,18 @@ that counts as a known token, so step N+1 schedules its decode; the runner feeds
 ``max_tokens`` or ``max_model_len`` is not scheduled again (it is certain to finish), and one that finishes at step
 N has whatever step N+1 computed for it dropped: it emits nothing after its last token.
 
+Bursts (vLLM's knobs, ``SchedulerConfig``). ``long_prefill_token_threshold`` = T > 0 caps every request's chunk at
+T tokens per step, running or newly admitted, as vLLM v1 does: a long prompt takes several steps and leaves budget
+to the prompts behind it, which then get their first token sooner. ``max_num_partial_prefills`` = K > 1 (vLLM's V0
+engine only; V1 accepts and ignores it) turns on two admission limits. A request is mid-prefill from the step that
+computes part of the tokens it has left until the step that computes the rest of its prompt (or, after a
+preemption, of its recompute), and long while more than T tokens are left. A waiting request that would end the
+step mid-prefill is admitted only while fewer than K requests are, and a long one only while fewer than
+``max_long_partial_prefills`` long ones are; one that may not go keeps its place in the queue while later requests
+that may go are admitted (short prompts overtake long ones). The queue's head is offered each freed place first, so
+no prompt waits forever. K = 1 (the default) leaves admission unlimited, as in vLLM. V0 also split the budget
+evenly among the prefills of a step; here the chunk size is T's alone.
+
 Speculative decoding: a decoding request with draft tokens (``Request.spec_token_ids``, set by the proposer after
 the previous step) is scheduled its last token plus the drafts, with blocks for all of them. The runner verifies
 them and returns the accepted drafts plus one token; ``update_from_output`` rolls ``num_computed_tokens`` back
@@ -116,6 +128,11 @@ class Scheduler:
         self.num_generation_tokens = 0
         self._runner_num_blocks: dict[str, int] = {}  # block ids the runner already holds, per request
         self.async_scheduling = config.async_scheduling
+        # Burst knobs: the largest chunk of one request per step (max_model_len when off: never binding), and the
+        # mid-prefill limits (0 when max_num_partial_prefills is 1: no limit, no counting).
+        self._chunk_cap = config.long_prefill_token_threshold or config.max_model_len
+        self._max_partial = config.max_num_partial_prefills if config.max_num_partial_prefills > 1 else 0
+        self._max_long_partial = config.max_long_partial_prefills
         # Outputs of requests finished outside a step (a grammar that failed to compile): sent with the next step.
         self.early_outputs: list[EngineCoreOutput] = []
         self.num_grammar_reqs = 0  # unfinished requests with a structured-output constraint
@@ -172,6 +189,18 @@ class Scheduler:
         missing = wanted - self.kv.num_blocks_of(request.request_id) * self.block_size
         return -(-missing // self.block_size) if missing > 0 else 0
 
+    def _count_partial_prefills(self, scheduled: dict[str, int]) -> tuple[int, int]:
+        """Running requests that this step leaves mid-prefill, and how many of them are long (see the module
+        docstring), given the tokens ``scheduled`` for each so far. Only called with max_num_partial_prefills > 1."""
+        num_partial = num_long = 0
+        threshold = self._chunk_cap
+        for request in self.running:
+            num_left = request.num_tokens_with_placeholders - request.num_computed_tokens
+            if num_left > (scheduled.get(request.request_id) or 1):  # unscheduled with one left: a decode
+                num_partial += 1
+                num_long += num_left > threshold
+        return num_partial, num_long
+
     def _preempt_one(self) -> Request:
         """Preempt the lowest-priority (then latest) running request and requeue it at the front."""
         if self.config.policy == "priority":
@@ -221,6 +250,7 @@ class Scheduler:
 
         # 1. Running requests, in admission order.
         allocate_slots, drafting = self.kv.allocate_slots, bool(self.config.num_lookahead_tokens)
+        chunk_cap = self._chunk_cap
         visited: set[str] = set()
         i = 0
         while i < len(self.running) and budget > 0:
@@ -239,8 +269,9 @@ class Scheduler:
                 self._requeue(request)  # restarted below, among the waiting requests, in the long regime
                 i = 0  # the running list changed: rescan, skipping requests already visited
                 continue
-            num_new = min(num_total - request.num_computed_tokens, budget)
-            num_new = min(num_new, max_len - request.num_computed_tokens)
+            num_computed = request.num_computed_tokens
+            # One call: what it has left, the budget, the chunk cap (max_len when off), room below max_model_len.
+            num_new = min(num_total - num_computed, budget, chunk_cap, max_len - num_computed)
             if num_new <= 0:
                 continue
             drafts = request.spec_token_ids
@@ -251,6 +282,7 @@ class Scheduler:
                     num_drafts = min(
                         len(drafts),
                         budget - 1,
+                        chunk_cap - 1,
                         max_len - num_total - 1,
                         request.max_tokens - request.num_output_tokens - 1,
                     )
@@ -285,6 +317,9 @@ class Scheduler:
         if self.max_loras and self.waiting:
             active_loras = {r.lora_int_id for r in self.running if r.lora_request is not None}
         reserve = -1  # blocks admission must leave free: computed at the first admission attempt
+        max_partial = self._max_partial
+        if max_partial and self.waiting and not preempted and budget > 0:
+            num_partial, num_long_partial = self._count_partial_prefills(scheduled)
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             if request.num_output_placeholders:
@@ -304,20 +339,33 @@ class Scheduler:
                 self.waiting.pop()
                 self._finish_early(request, f"its grammar failed to compile: {request.grammar.error}")
                 continue
+            if max_partial:
+                # Long: more than the threshold left to compute (prefix hits not counted: looked up below).
+                is_long = request.num_tokens - request.num_computed_tokens > chunk_cap
+                if is_long and num_long_partial >= self._max_long_partial:
+                    set_aside.append(self.waiting.pop())  # as many long prompts as allowed: shorter ones may go
+                    continue
             hit_blocks, num_hit = None, 0
             if request.num_computed_tokens == 0:
                 self._start_rope_regime(request)
                 hit_blocks, num_hit = self.kv.get_computed_blocks(request)
-            num_new = request.num_tokens - num_hit
-            if not self.config.enable_chunked_prefill and num_new > budget:
+            num_left = request.num_tokens - num_hit
+            if not self.config.enable_chunked_prefill and num_left > budget:
                 break
-            num_new = min(num_new, budget)
+            num_new = min(num_left, budget, chunk_cap)
+            if max_partial and num_new < num_left:  # it would end this step mid-prefill
+                if num_partial >= max_partial:
+                    set_aside.append(self.waiting.pop())  # no mid-prefill place left: one that finishes may go
+                    continue
             lookahead = self._lookahead(request.num_computed_tokens + num_hit + num_new, request.num_tokens)
             if reserve < 0:
                 reserve = sum(self._growth_blocks(r) for r in self.running)
             if not self.kv.allocate_slots(request, num_new, hit_blocks, lookahead, reserve):
                 break
             self.waiting.pop()
+            if max_partial and num_new < num_left:
+                num_partial += 1
+                num_long_partial += is_long
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
                 request.queue_time = max(0.0, time.monotonic() - request.arrival_time)

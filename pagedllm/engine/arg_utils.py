@@ -74,7 +74,32 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
         "a cudagraph_mode in --compilation-config wins",
     )
     parser.add_argument("--attention-backend", default=None, choices=[None, "torch", "triton"])
-    parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    parser.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=["fcfs", "priority"],
+        help="admission order: arrival (fcfs), or the request's priority (lower first) then arrival; under "
+        "priority the lowest-priority running request is the one preempted",
+    )
+    parser.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=0,
+        help="cap every request's chunk at this many tokens per step, and call a prompt with more left 'long' "
+        "(0: off; 4%% of --max-model-len when --max-num-partial-prefills > 1)",
+    )
+    parser.add_argument(
+        "--max-num-partial-prefills",
+        type=int,
+        default=1,
+        help="most requests mid-prefill at once (1: no limit, as vLLM; > 1 needs chunked prefill)",
+    )
+    parser.add_argument(
+        "--max-long-partial-prefills",
+        type=int,
+        default=1,
+        help="of those, most with a long prompt: shorter prompts overtake the rest (<= --max-num-partial-prefills)",
+    )
     parser.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
@@ -190,6 +215,9 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         optimization_level=getattr(args, "optimization_level", None),
         attention_backend=args.attention_backend,
         scheduling_policy=args.scheduling_policy,
+        long_prefill_token_threshold=getattr(args, "long_prefill_token_threshold", 0),
+        max_num_partial_prefills=getattr(args, "max_num_partial_prefills", 1),
+        max_long_partial_prefills=getattr(args, "max_long_partial_prefills", 1),
         async_scheduling=args.async_scheduling,
         reasoning_parser=getattr(args, "reasoning_parser", None),
         quantization=getattr(args, "quantization", None),
