@@ -5,6 +5,12 @@ cumulatively (prefix-cache queries and hits, preemptions) advance by the differe
 Token counters, finished-request counts and the latency histograms come from the front-end's per-step
 ``IterationStats`` (one entry per sequence, so a request with n=2 counts twice, as in vLLM).
 
+Request phases, observed once per finished sequence whose two ends are known (vLLM's definitions for the first
+four): queue time (reached the engine core -> first scheduled), prefill time (first scheduled -> first token),
+decode time (first token -> last token), inference time (first scheduled -> last token), and the front-end's
+tokenize time (arrival, the HTTP handler's entry on a server -> prompt ids ready) and frontend-to-core time (prompt
+ids ready -> reached the engine core). Token times are when their outputs left the core.
+
 Each server owns a ``CollectorRegistry``, so several servers (or tests) in one process do not collide.
 """
 
@@ -83,10 +89,33 @@ class PrometheusStatLogger:
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive outputs.", _ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", _REQUEST_BUCKETS)
         self.queue_time = histogram(
-            "request_queue_time_seconds",
-            "Arrival to first scheduled (waiting in the queue).",
-            _REQUEST_BUCKETS,
+            "request_queue_time_seconds", "Reached the engine core to first scheduled.", _REQUEST_BUCKETS
         )
+        self.prefill_time = histogram(
+            "request_prefill_time_seconds", "First scheduled to the first token.", _REQUEST_BUCKETS
+        )
+        self.decode_time = histogram(
+            "request_decode_time_seconds", "First token to the last token.", _REQUEST_BUCKETS
+        )
+        self.inference_time = histogram(
+            "request_inference_time_seconds", "First scheduled to the last token.", _REQUEST_BUCKETS
+        )
+        self.tokenize_time = histogram(
+            "request_tokenize_time_seconds", "Arrival to the prompt's token ids being ready.", _TTFT_BUCKETS
+        )
+        self.frontend_to_core_time = histogram(
+            "request_frontend_to_core_seconds",
+            "Prompt token ids ready to the request reaching the engine core.",
+            _TTFT_BUCKETS,
+        )
+        self._phases = [
+            ("queue_time", self.queue_time),
+            ("prefill_time", self.prefill_time),
+            ("decode_time", self.decode_time),
+            ("inference_time", self.inference_time),
+            ("tokenize_time", self.tokenize_time),
+            ("frontend_to_core_time", self.frontend_to_core_time),
+        ]
         self.spec_num_drafts = counter(
             "spec_decode_num_drafts", "Verification steps with drafts, per request."
         )
@@ -142,9 +171,10 @@ class PrometheusStatLogger:
                 self.request_success[finished.finish_reason] = counter
             counter.inc()
             self.e2e.observe(finished.e2e_latency)
-            queue_time = getattr(finished, "queue_time", None)
-            if queue_time is not None:
-                self.queue_time.observe(queue_time)
+            for name, histogram in self._phases:
+                value = getattr(finished, name, None)
+                if value is not None:
+                    histogram.observe(value)
 
     def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: Any | None) -> None:
         """The ``AsyncLLM`` stat-logger hook."""

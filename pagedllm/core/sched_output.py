@@ -79,6 +79,9 @@ class EngineCoreOutputs:
     outputs: list[EngineCoreOutput] = field(default_factory=list)
     stats: SchedulerStats | None = None
     timestamp: float = 0.0
+    # When an engine core process added requests to its scheduler since its last message (core request id ->
+    # time.monotonic(); vLLM's queued_ts). Empty in-process, where arrival and queueing are one moment.
+    queued_times: dict[str, float] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- scheduler <-> model runner

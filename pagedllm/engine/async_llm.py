@@ -28,7 +28,12 @@ from pagedllm.core.sched_output import SchedulerStats
 from pagedllm.engine.core_launch import LaunchedCore
 from pagedllm.engine.core_process import DEFAULT_ENGINE_CORE, EngineCoreClient, EngineDeadError
 from pagedllm.engine.input_processor import InputProcessor
-from pagedllm.engine.output_processor import FinishedRequestStats, IterationStats, OutputProcessor
+from pagedllm.engine.output_processor import (
+    FinishedRequestStats,
+    IterationStats,
+    OutputProcessor,
+    RequestTimeline,
+)
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
@@ -185,9 +190,14 @@ class AsyncLLM:
         sampling_params: SamplingParams,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        timeline: RequestTimeline | None = None,
     ) -> RequestStream:
         """Validate and queue a request now; return the stream of its outputs. ``lora_request``: the adapter
         it runs with (the core loads it; a load failure ends the stream with a ``ValueError``).
+
+        ``timeline``: the caller's stamps so far (a server: its HTTP arrival and when the prompt ids were ready);
+        without one, arrival and tokenized are taken around the input processing here. The engine fills in the
+        rest; ``RequestStream.timeline`` is the same object.
 
         Raises ``ValueError`` (naming the field) for invalid input, with nothing queued, and ``EngineDeadError``
         if the engine is dead. The caller must iterate the stream to its end or ``close()`` it (which aborts the
@@ -201,11 +211,16 @@ class AsyncLLM:
             raise ValueError(
                 "lora_request: LoRA is not enabled; start the engine with enable_lora=True (--enable-lora)"
             )
+        started = time.monotonic()
         processed = self.input_processor.process(
             request_id, prompt, sampling_params, priority=priority, lora_request=lora_request
         )
+        if timeline is None:
+            timeline = RequestTimeline(started, tokenized_time=processed.arrival_time)
+        elif timeline.tokenized_time is None:
+            timeline.tokenized_time = processed.arrival_time
         queue: asyncio.Queue = asyncio.Queue()
-        self.output_processor.add_request(processed, queue)
+        self.output_processor.add_request(processed, queue, timeline)
         entry = _RequestEntry(
             queue,
             [c.request_id for c in processed.core_requests],
@@ -216,6 +231,8 @@ class AsyncLLM:
         self._requests[request_id] = entry
         for child_id in entry.child_ids:
             self._child_to_parent[child_id] = request_id
+        # Stamped before the send: the core may stamp its receipt before the send call returns.
+        timeline.sent_time = time.monotonic()
         try:
             for core_req in processed.core_requests:
                 self.engine_core.add_request(core_req)
@@ -232,7 +249,7 @@ class AsyncLLM:
                 processed.params.max_tokens,
                 processed.params.temperature,
             )
-        return RequestStream(self, processed, entry)
+        return RequestStream(self, processed, entry, timeline)
 
     async def generate(
         self,
@@ -302,8 +319,13 @@ class AsyncLLM:
                 if errors:
                     self._fail_requests(errors)
                 iteration_stats = None
+                queued_times = outputs.queued_times
+                if queued_times:
+                    self.output_processor.record_queued_times(queued_times)
                 if outputs.outputs:
-                    processed = self.output_processor.process_outputs(outputs.outputs)
+                    processed = self.output_processor.process_outputs(
+                        outputs.outputs, outputs.timestamp or None
+                    )
                     if processed.reqs_to_abort:
                         core.abort_requests(processed.reqs_to_abort)
                     iteration_stats = processed.stats
@@ -478,8 +500,12 @@ def merge_request_outputs(first: RequestOutput, then: RequestOutput, kind: Reque
 class RequestStream:
     """The outputs of one request, as an async iterator; ``close()`` aborts the request if it still runs."""
 
-    def __init__(self, engine: AsyncLLM, processed: Any, entry: _RequestEntry) -> None:
+    def __init__(
+        self, engine: AsyncLLM, processed: Any, entry: _RequestEntry, timeline: RequestTimeline | None = None
+    ) -> None:
         self.engine = engine
+        # Stamps of the request's life; complete once the stream finished (see ``RequestTimeline``).
+        self.timeline = timeline if timeline is not None else RequestTimeline(processed.arrival_time)
         self.request_id: str = processed.request_id
         self.prompt: str | None = processed.prompt
         self.prompt_token_ids: list[int] = processed.prompt_token_ids

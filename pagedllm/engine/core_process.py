@@ -21,7 +21,9 @@ core's error (``ValueError`` stays a ``ValueError``) in the API process.
 The core loop: drain every pending input message, then ``step()`` while there is work, and send each step's
 ``EngineCoreOutputs`` with fresh ``SchedulerStats``. When the work runs out it calls the core's ``on_idle()`` (the
 integrity check, once per transition to idle) after the last outputs are sent, so it delays nobody. An ``add_request`` that raises ``ValueError`` does not stop
-the loop: the request is reported back in the ``errors`` map of the next outputs message. When the core has
+the loop: the request is reported back in the ``errors`` map of the next outputs message. A request the core
+accepted is stamped with ``time.monotonic()`` (CLOCK_MONOTONIC: the same clock in every process of the host) once
+its scheduler holds it; the stamps go out in the same iteration's outputs message (``queued_times``). When the core has
 nothing to do it blocks on its input (waking once a second); it exits by itself when the API process is gone.
 
 Death: the client watches the process sentinel with ``loop.add_reader``; when the core exits unexpectedly it
@@ -128,7 +130,8 @@ class _CoreLoop:
             if idle:
                 continue
             errors: dict[str, str] = {}
-            changed, stop = self._drain_input(errors)
+            queued_times: dict[str, float] = {}
+            changed, stop = self._drain_input(errors, queued_times)
             if stop:
                 return
             outputs = EngineCoreOutputs()
@@ -138,6 +141,7 @@ class _CoreLoop:
             if changed or errors:
                 if outputs.stats is None:
                     outputs.stats = core.get_stats()
+                outputs.queued_times = queued_times
                 outputs.timestamp = time.monotonic()
                 self.out_sock.send(_dumps(("outputs", outputs, errors)), copy=False)
             if not core.has_unfinished_requests() and self.on_idle is not None and not self.on_idle():
@@ -145,8 +149,9 @@ class _CoreLoop:
                 stats_only = EngineCoreOutputs(stats=core.get_stats(), timestamp=time.monotonic())
                 self.out_sock.send(_dumps(("outputs", stats_only, {})))
 
-    def _drain_input(self, errors: dict[str, str]) -> tuple[bool, bool]:
-        """Handle every message waiting on the input socket. Returns (requests changed, shut down)."""
+    def _drain_input(self, errors: dict[str, str], queued_times: dict[str, float]) -> tuple[bool, bool]:
+        """Handle every message waiting on the input socket: refused adds go into ``errors``, accepted ones are
+        stamped in ``queued_times``. Returns (requests changed, shut down)."""
         changed = False
         while True:
             try:
@@ -158,6 +163,7 @@ class _CoreLoop:
                 req: EngineCoreRequest = payload
                 try:
                     self.core.add_request(req)
+                    queued_times[req.request_id] = time.monotonic()
                 except ValueError as e:
                     errors[req.request_id] = str(e)
                 changed = True

@@ -11,9 +11,12 @@ what was already sent. Each ``process_outputs`` call:
    CUMULATIVE: every sequence, everything so far; DELTA: only the sequences that changed this step, only
    what is new; FINAL_ONLY: every sequence, once, when the last one finishes;
 3. hands it to the request's queue (``put_nowait``) when ``add_request`` got one, else returns it;
-4. records timings in ``IterationStats`` for a metrics layer.
+4. records timings in ``IterationStats`` for a metrics layer, and each request's ``RequestTimeline``.
 
-Times are ``time.monotonic()`` seconds. No threads or event loops are assumed; the caller serializes calls.
+Times are ``time.monotonic()`` seconds. That clock (CLOCK_MONOTONIC) is system-wide, so stamps taken in the engine
+core process on the same host (when a request was added to the scheduler, first scheduled, when an outputs
+message left the core) compare directly with the front-end's. No threads or event loops are assumed; the caller
+serializes calls.
 """
 
 from __future__ import annotations
@@ -47,7 +50,44 @@ class FinishedRequestStats:
     num_generation_tokens: int
     e2e_latency: float  # finish time - arrival time
     ttft: float | None  # first token time - arrival time; None when it finished without a token
-    queue_time: float | None = None  # arrival -> first scheduled in the core; None if never scheduled
+    # Phases (vLLM's definitions; None where an end is unknown, e.g. never scheduled or no token):
+    queue_time: float | None = None  # reached the core -> first scheduled
+    prefill_time: float | None = None  # first scheduled -> first token left the core
+    decode_time: float | None = None  # first token -> last token (both as they left the core)
+    inference_time: float | None = None  # first scheduled -> last token left the core
+    # Front-end phases of the parent request:
+    tokenize_time: float | None = None  # arrival (server: HTTP handler entry) -> prompt ids ready
+    frontend_to_core_time: float | None = None  # prompt ids ready -> reached the core
+
+
+@dataclass
+class RequestTimeline:
+    """When one request reached each point of its life, ``time.monotonic()`` seconds (None: not reached/known).
+
+    In order: ``arrival_time`` (the server's HTTP handler entry, else when ``AsyncLLM`` got it), ``tokenized_time``
+    (prompt ids ready), ``sent_time`` (handed to the engine core client), ``queued_time`` (added to the core's
+    scheduler), ``scheduled_time`` (first scheduled), ``first_token_time`` (the outputs message with its first
+    token left the core), ``first_token_out_time`` (the server wrote the first chunk carrying output; not
+    streaming: the response was ready), ``last_token_time`` (the message with its last token left the core),
+    ``finished_time`` (the front-end saw it finish). With n > 1 the core stamps are the earliest over its
+    sequences (the last token: the latest). The front-end and the server fill their stamps; the
+    ``OutputProcessor`` fills the core's.
+    """
+
+    arrival_time: float
+    tokenized_time: float | None = None
+    sent_time: float | None = None
+    queued_time: float | None = None
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
+    first_token_out_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+    def set_earliest(self, name: str, value: float) -> None:
+        old = getattr(self, name)
+        if old is None or value < old:
+            setattr(self, name, value)
 
 
 @dataclass
@@ -70,6 +110,13 @@ class ProcessedOutputs:
     request_outputs: list[RequestOutput]  # only for requests added without a queue
     reqs_to_abort: list[str]  # core request ids finished here by a stop string: abort them in the core
     stats: IterationStats
+
+
+def _span(start: float | None, end: float | None) -> float | None:
+    """``end - start`` (at least 0: stamps from two processes may tie), None if either is unknown."""
+    if start is None or end is None:
+        return None
+    return max(0.0, end - start)
 
 
 class _SequenceState:
@@ -95,9 +142,13 @@ class _SequenceState:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_prompt_logprob_rows = 0  # prompt-logprob rows this sequence's core request reported
-        self.first_token_time: float | None = None
+        self.first_token_time: float | None = None  # front-end clock, when it was processed (TTFT)
         self.last_token_time: float | None = None
-        self.queue_time: float | None = None
+        # Core stamps (vLLM's queued_ts / scheduled_ts / first_token_ts / last_token_ts):
+        self.queued_time: float | None = None
+        self.scheduled_time: float | None = None
+        self.first_token_core_time: float | None = None
+        self.last_token_core_time: float | None = None
         self.num_sent_tokens = 0
         self.num_sent_chars = 0
         # Hold back the last len(longest stop string) - 1 characters while running: they might begin a stop
@@ -117,7 +168,13 @@ class _SequenceState:
 class _RequestState:
     """One user request (the parent of its sequences)."""
 
-    def __init__(self, processed: ProcessedRequest, queue: OutputQueue | None, tokenizer: Any) -> None:
+    def __init__(
+        self,
+        processed: ProcessedRequest,
+        queue: OutputQueue | None,
+        tokenizer: Any,
+        timeline: RequestTimeline | None,
+    ) -> None:
         self.request_id = processed.request_id
         self.prompt = processed.prompt
         self.prompt_token_ids = processed.prompt_token_ids
@@ -135,6 +192,7 @@ class _RequestState:
         self.num_sent_prompt_logprobs = 0
         self.num_cached_tokens = 0
         self.metrics = RequestMetrics(arrival_time=processed.arrival_time)
+        self.timeline = timeline if timeline is not None else RequestTimeline(processed.arrival_time)
 
 
 class OutputProcessor:
@@ -148,8 +206,14 @@ class OutputProcessor:
 
     # ------------------------------------------------------------------ bookkeeping
 
-    def add_request(self, processed: ProcessedRequest, queue: OutputQueue | None = None) -> None:
-        """Start tracking ``processed``; its outputs go to ``queue.put_nowait`` when a queue is given."""
+    def add_request(
+        self,
+        processed: ProcessedRequest,
+        queue: OutputQueue | None = None,
+        timeline: RequestTimeline | None = None,
+    ) -> None:
+        """Start tracking ``processed``; its outputs go to ``queue.put_nowait`` when a queue is given. The core's
+        stamps go into ``timeline`` (default: a new one arriving at ``processed.arrival_time``)."""
         if processed.request_id in self._requests:
             raise ValueError(f"request_id {processed.request_id!r} is already in flight")
         taken = [c.request_id for c in processed.core_requests if c.request_id in self._seqs]
@@ -157,7 +221,7 @@ class OutputProcessor:
             raise ValueError(
                 f"request_id {processed.request_id!r}: core request ids {taken} are already in flight"
             )
-        req = _RequestState(processed, queue, self.tokenizer)
+        req = _RequestState(processed, queue, self.tokenizer, timeline)
         self._requests[req.request_id] = req
         for seq in req.seqs:
             self._seqs[seq.request_id] = (req, seq)
@@ -199,10 +263,23 @@ class OutputProcessor:
 
     # ------------------------------------------------------------------ the per-step work
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+    def record_queued_times(self, queued_times: dict[str, float]) -> None:
+        """The core added these core requests to its scheduler at these times; unknown ids are ignored."""
+        for core_id, queued_time in queued_times.items():
+            entry = self._seqs.get(core_id)
+            if entry is not None:
+                req, seq = entry
+                seq.queued_time = queued_time
+                req.timeline.set_earliest("queued_time", queued_time)
+
+    def process_outputs(
+        self, outputs: list[EngineCoreOutput], engine_core_timestamp: float | None = None
+    ) -> ProcessedOutputs:
         """Apply one engine step's outputs; see the module docstring. Outputs for unknown (aborted) or already
-        finished sequences are ignored."""
+        finished sequences are ignored. ``engine_core_timestamp``: when the message left the core (default: now);
+        the first and last token stamps of the timelines are taken from it."""
         now = time.monotonic()
+        core_now = now if engine_core_timestamp is None else engine_core_timestamp
         stats = IterationStats()
         reqs_to_abort: list[str] = []
         updated: dict[str, tuple[_RequestState, list[_SequenceState]]] = {}
@@ -215,10 +292,14 @@ class OutputProcessor:
                 continue
             if out.num_cached_tokens > req.num_cached_tokens:
                 req.num_cached_tokens = out.num_cached_tokens
+            if out.queue_time is not None and seq.scheduled_time is None:
+                # The core measures arrival -> first scheduled on the one clock both processes share.
+                seq.scheduled_time = req.metrics.arrival_time + out.queue_time
+                req.timeline.set_earliest("scheduled_time", seq.scheduled_time)
             if out.new_prompt_logprobs is not None:
                 self._add_prompt_logprobs(req, seq, out.new_prompt_logprobs)
             if out.new_token_ids:
-                self._add_tokens(req, seq, out, now, stats)
+                self._add_tokens(req, seq, out, now, core_now, stats)
             finish_reason, stop_reason = out.finish_reason, out.stop_reason
             if seq.detokenizer is not None:
                 hit = self._detokenize(seq, out)
@@ -237,6 +318,7 @@ class OutputProcessor:
             finished = req.num_unfinished == 0
             if finished:
                 req.metrics.finished_time = now
+                req.timeline.finished_time = now
                 self._drop(req)
             request_output = self._make_request_output(req, seqs, finished)
             if request_output is None:
@@ -253,13 +335,15 @@ class OutputProcessor:
         seq: _SequenceState,
         out: EngineCoreOutput,
         now: float,
+        core_now: float,
         stats: IterationStats,
     ) -> None:
         new_token_ids = out.new_token_ids
-        if out.queue_time is not None:
-            seq.queue_time = out.queue_time
+        timeline = req.timeline
         if seq.first_token_time is None:
             seq.first_token_time = now
+            seq.first_token_core_time = core_now
+            timeline.set_earliest("first_token_time", core_now)
             stats.time_to_first_tokens.append(now - req.metrics.arrival_time)
             stats.num_prompt_tokens += len(req.prompt_token_ids)
             if req.metrics.first_token_time is None:
@@ -267,7 +351,10 @@ class OutputProcessor:
         else:
             stats.inter_token_latencies.append(now - seq.last_token_time)
         seq.last_token_time = now
+        seq.last_token_core_time = core_now
         req.metrics.last_token_time = now
+        if timeline.last_token_time is None or core_now > timeline.last_token_time:
+            timeline.last_token_time = core_now
         stats.num_generation_tokens += len(new_token_ids)
         seq.token_ids.extend(new_token_ids)
         if seq.logprobs is not None and out.new_logprobs is not None:
@@ -318,6 +405,10 @@ class OutputProcessor:
         seq.stop_reason = stop_reason
         req.num_unfinished -= 1
         arrival = req.metrics.arrival_time
+        timeline = req.timeline
+        scheduled, first, last = seq.scheduled_time, seq.first_token_core_time, seq.last_token_core_time
+        # Without a stamp from the core (an engine in this process: ``LLMEngine``) it reached the core on arrival.
+        queued = seq.queued_time if seq.queued_time is not None else arrival
         stats.finished_requests.append(
             FinishedRequestStats(
                 request_id=seq.request_id,
@@ -326,7 +417,12 @@ class OutputProcessor:
                 num_generation_tokens=len(seq.token_ids),
                 e2e_latency=now - arrival,
                 ttft=None if seq.first_token_time is None else seq.first_token_time - arrival,
-                queue_time=seq.queue_time,
+                queue_time=_span(queued, scheduled),
+                prefill_time=_span(scheduled, first),
+                decode_time=_span(first, last),
+                inference_time=_span(scheduled, last),
+                tokenize_time=_span(timeline.arrival_time, timeline.tokenized_time),
+                frontend_to_core_time=_span(timeline.tokenized_time, seq.queued_time),
             )
         )
 

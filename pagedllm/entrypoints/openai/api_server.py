@@ -20,6 +20,7 @@ import hashlib
 import hmac
 import logging
 import socket
+import time
 from typing import Any
 
 from fastapi import FastAPI
@@ -278,13 +279,15 @@ def build_app(
 
     @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
     async def create_completion(raw_request: Request) -> Response:
+        arrival_time = time.monotonic()
         req = parse_body(await raw_request.body(), CompletionRequest)
-        return await completion.create_completion(req, raw_request)
+        return await completion.create_completion(req, raw_request, arrival_time)
 
     @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def create_chat_completion(raw_request: Request) -> Response:
+        arrival_time = time.monotonic()
         req = parse_body(await raw_request.body(), ChatCompletionRequest)
-        return await chat.create_chat_completion(req, raw_request)
+        return await chat.create_chat_completion(req, raw_request, arrival_time)
 
     @app.post("/tokenize", openapi_extra=_body_schema(TokenizeRequest))
     async def tokenize(raw_request: Request) -> JSONResponse:

@@ -11,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pagedllm.engine.async_llm import RequestStream
+from pagedllm.engine.output_processor import RequestTimeline
 from pagedllm.entrypoints.openai.chat_output import ChatOutput
 from pagedllm.entrypoints.openai.constraints import (
     ToolPlan,
@@ -34,6 +35,7 @@ from pagedllm.entrypoints.openai.serving_engine import (
     SSE_DONE,
     OpenAIServing,
     SSEResponse,
+    mark_first_output,
     new_request_id,
     sse,
     to_openai_error,
@@ -79,7 +81,12 @@ class OpenAIServingChat(OpenAIServing):
             raise bad_request("messages render to an empty prompt", "messages")
         return text, token_ids
 
-    async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
+    async def create_chat_completion(
+        self, req: ChatCompletionRequest, raw_request: Request, arrival_time: float | None = None
+    ) -> Response:
+        """``arrival_time``: when the HTTP handler was entered (``time.monotonic()``; default: now)."""
+        if arrival_time is None:
+            arrival_time = time.monotonic()
         lora_request = self.check_model(req.model)
         self.check_engine()
         if req.n < 1:
@@ -98,6 +105,7 @@ class OpenAIServingChat(OpenAIServing):
             tools=plan.tools,
             template_kwargs=req.chat_template_kwargs,
         )
+        timeline = RequestTimeline(arrival_time, tokenized_time=time.monotonic())
         if req.max_completion_tokens is not None:
             max_tokens_param, requested = "max_completion_tokens", req.max_completion_tokens
         else:
@@ -119,7 +127,7 @@ class OpenAIServingChat(OpenAIServing):
         )
         request_id = new_request_id("chatcmpl")
         stream = self.add_request(
-            request_id, {"prompt_token_ids": token_ids, "prompt": prompt_text}, params, lora_request
+            request_id, {"prompt_token_ids": token_ids, "prompt": prompt_text}, params, lora_request, timeline
         )
         if streaming:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -136,6 +144,8 @@ class OpenAIServingChat(OpenAIServing):
             stream.close()
         if response is None:
             return Response(status_code=499)
+        mark_first_output(stream)  # the response is ready
+        self.log_timelines([stream], streaming=False)
         response.model = self.response_model_name(req.model)
         return JSONResponse(response.model_dump())
 
@@ -217,7 +227,7 @@ class OpenAIServingChat(OpenAIServing):
                         continue
                     if not delta and finish_reason is None:
                         delta = {"content": ""}
-                    yield sse(
+                    chunk = sse(
                         chat_chunk(
                             request_id,
                             created,
@@ -229,9 +239,12 @@ class OpenAIServingChat(OpenAIServing):
                             c.stop_reason,
                         )
                     )
+                    mark_first_output(stream)  # the chunk is written next
+                    yield chunk
             if include_usage:
                 usage = UsageInfo.of(num_prompt_tokens, sum(num_tokens))
                 yield sse(usage_chunk(request_id, created, model, "chat.completion.chunk", usage))
+            self.log_timelines([stream], streaming=True)
         except Exception as e:  # noqa: BLE001 - the status line is sent already: report in the stream
             err: OpenAIError = to_openai_error(e, self.field_map)
             yield sse(err.to_dict())

@@ -10,6 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pagedllm.engine.async_llm import RequestStream
+from pagedllm.engine.output_processor import RequestTimeline
 from pagedllm.entrypoints.openai.constraints import structured_outputs_from_request
 from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request
 from pagedllm.entrypoints.openai.protocol import (
@@ -25,6 +26,7 @@ from pagedllm.entrypoints.openai.serving_engine import (
     SSE_DONE,
     OpenAIServing,
     SSEResponse,
+    mark_first_output,
     merge_streams,
     new_request_id,
     sse,
@@ -65,7 +67,12 @@ def _visible(
 
 
 class OpenAIServingCompletion(OpenAIServing):
-    async def create_completion(self, req: CompletionRequest, raw_request: Request) -> Response:
+    async def create_completion(
+        self, req: CompletionRequest, raw_request: Request, arrival_time: float | None = None
+    ) -> Response:
+        """``arrival_time``: when the HTTP handler was entered (``time.monotonic()``; default: now)."""
+        if arrival_time is None:
+            arrival_time = time.monotonic()
         lora_request = self.check_model(req.model)
         self.check_engine()
         if req.suffix is not None:
@@ -78,6 +85,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_stream_options(req)
         structured = structured_outputs_from_request(req)
         prompts = self._prompts(req.prompt)
+        tokenized_time = time.monotonic()
         echo = bool(req.echo)
         # echo with max_tokens=0 scores the prompt (prompt logprobs, as lm-eval-harness asks): generate one
         # token to get there, then report none.
@@ -105,7 +113,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 engine_prompt: dict[str, Any] = {"prompt_token_ids": prompt.token_ids}
                 if prompt.given_text is not None:
                     engine_prompt["prompt"] = prompt.given_text
-                streams.append(self.add_request(f"{request_id}-{i}", engine_prompt, params, lora_request))
+                timeline = RequestTimeline(arrival_time, tokenized_time=tokenized_time)
+                streams.append(
+                    self.add_request(f"{request_id}-{i}", engine_prompt, params, lora_request, timeline)
+                )
         except BaseException:
             for stream in streams:
                 stream.close()
@@ -123,6 +134,9 @@ class OpenAIServingCompletion(OpenAIServing):
             raise to_openai_error(e, self.field_map) from None
         if response is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
+        for stream in streams:
+            mark_first_output(stream)  # the response is ready
+        self.log_timelines(streams, streaming=False)
         return JSONResponse(response.model_dump())
 
     def _prompts(self, prompt: Any) -> list[_Prompt]:
@@ -239,7 +253,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     if want_logprobs:
                         logprobs = self.completion_logprobs(token_ids, rows, num_sent_chars[index])
                     num_sent_chars[index] += len(text)
-                    yield sse(
+                    chunk = sse(
                         completion_chunk(
                             request_id,
                             created,
@@ -251,11 +265,14 @@ class OpenAIServingCompletion(OpenAIServing):
                             stop_reason,
                         )
                     )
+                    mark_first_output(streams[i])  # the chunk is written next
+                    yield chunk
             if include_usage:
                 num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
                 usage = UsageInfo.of(num_prompt_tokens, sum(num_tokens))
                 model = self.response_model_name(req.model)
                 yield sse(usage_chunk(request_id, created, model, "text_completion", usage))
+            self.log_timelines(streams, streaming=True)
         except Exception as e:  # noqa: BLE001 - the status line is sent already: report in the stream
             err: OpenAIError = to_openai_error(e, self.field_map)
             yield sse(err.to_dict())

@@ -7,6 +7,8 @@ import asyncio
 import json
 import logging
 import math
+import os
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
@@ -18,6 +20,7 @@ from starlette.types import Receive, Scope, Send
 
 from pagedllm.engine.async_llm import AsyncLLM, RequestStream
 from pagedllm.engine.core_process import EngineDeadError
+from pagedllm.engine.output_processor import RequestTimeline
 from pagedllm.entrypoints.openai.errors import (
     OpenAIError,
     bad_request,
@@ -41,6 +44,85 @@ _MIN_LOGPROB = -9999.0
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 T = TypeVar("T")
+
+# Debug switch: a file the server appends one JSON line to per finished request, with its timeline.
+REQUEST_TIMELINE_ENV = "PAGEDLLM_REQUEST_TIMELINE"
+# (name in the file, RequestTimeline attribute), in the order a request reaches them (a short request's last
+# token and finish may come before its first chunk is written).
+TIMELINE_STAMPS = (
+    ("arrival", "arrival_time"),  # the HTTP handler's entry
+    ("tokenized", "tokenized_time"),  # prompt token ids ready
+    ("sent", "sent_time"),  # handed to the engine core client
+    ("queued", "queued_time"),  # added to the engine core's scheduler
+    ("scheduled", "scheduled_time"),  # first scheduled
+    ("first_token", "first_token_time"),  # its first token left the engine core
+    (
+        "first_token_out",
+        "first_token_out_time",
+    ),  # first chunk with output written (not streaming: response ready)
+    ("last_token", "last_token_time"),  # its last token left the engine core
+    ("finished", "finished_time"),  # the front-end saw it finish
+)
+
+
+class RequestTimelineLog:
+    """Appends one JSON line per finished engine request (one per prompt of a completion request)::
+
+        {"request_id": ..., "stream": true, "arrival_time": <time.monotonic() s>, "num_prompt_tokens": 12,
+         "stamps_ms": {"arrival": 0.0, "tokenized": 0.4, "sent": 0.5, "queued": 1.1, "scheduled": 1.3,
+                       "first_token": 30.2, "first_token_out": 31.0, "last_token": 80.4, "finished": 80.9}}
+
+    ``stamps_ms`` are milliseconds after arrival, in the order of ``TIMELINE_STAMPS``; a stamp never reached is
+    null. The server process writes (one event loop: lines never interleave); ``benchmarks/burst_timeline.py``
+    summarises a file.
+    """
+
+    _open: dict[str, RequestTimelineLog] = {}  # path -> log: completions and chat share one file
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._file = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 - open for the server's life
+
+    @classmethod
+    def from_env(cls) -> RequestTimelineLog | None:
+        """The log named by ``PAGEDLLM_REQUEST_TIMELINE``, or None when it is unset or empty."""
+        path = os.environ.get(REQUEST_TIMELINE_ENV)
+        if not path:
+            return None
+        log = cls._open.get(path)
+        if log is None:
+            log = cls._open[path] = cls(path)
+        return log
+
+    def write(self, stream: RequestStream, streaming: bool) -> None:
+        if not stream.finished:
+            return  # failed or aborted: no timeline to speak of
+        self._file.write(json.dumps(timeline_record(stream, streaming), separators=(",", ":")) + "\n")
+
+
+def timeline_record(stream: RequestStream, streaming: bool) -> dict[str, Any]:
+    """One line of the ``RequestTimelineLog``."""
+    timeline = stream.timeline
+    arrival = timeline.arrival_time
+    stamps: dict[str, float | None] = {}
+    for name, attr in TIMELINE_STAMPS:
+        value = getattr(timeline, attr)
+        stamps[name] = None if value is None else round(1000.0 * (value - arrival), 3)
+    return {
+        "request_id": stream.request_id,
+        "stream": streaming,
+        "arrival_time": arrival,
+        "num_prompt_tokens": len(stream.prompt_token_ids),
+        "stamps_ms": stamps,
+    }
+
+
+def mark_first_output(stream: RequestStream) -> None:
+    """Stamp ``first_token_out_time`` unless it is set: call as a chunk carrying its output is handed to the
+    server to write (streaming) or the response is ready."""
+    timeline = stream.timeline
+    if timeline.first_token_out_time is None:
+        timeline.first_token_out_time = time.monotonic()
 
 
 def parse_body(body: bytes, model_cls: type[ModelT]) -> ModelT:
@@ -176,6 +258,7 @@ class OpenAIServing:
         self.max_model_len = int(engine.model_config.max_model_len)
         self.vocab_size = int(engine.model_config.vocab_size)
         self.token_text = TokenTextCache(self.tokenizer)
+        self.timeline_log = RequestTimelineLog.from_env()
 
     # ------------------------------------------------------------------ checks
 
@@ -311,12 +394,25 @@ class OpenAIServing:
         return params
 
     def add_request(
-        self, request_id: str, prompt: Any, params: SamplingParams, lora_request: LoRARequest | None = None
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams,
+        lora_request: LoRARequest | None = None,
+        timeline: RequestTimeline | None = None,
     ) -> RequestStream:
         try:
-            return self.engine.add_request(request_id, prompt, params, lora_request=lora_request)
+            return self.engine.add_request(
+                request_id, prompt, params, lora_request=lora_request, timeline=timeline
+            )
         except (ValueError, EngineDeadError) as e:
             raise to_openai_error(e, self.field_map) from None
+
+    def log_timelines(self, streams: list[RequestStream], streaming: bool) -> None:
+        """Append the finished streams' timelines to the timeline log, when there is one."""
+        if self.timeline_log is not None:
+            for stream in streams:
+                self.timeline_log.write(stream, streaming)
 
     # ------------------------------------------------------------------ logprobs
 
