@@ -19,6 +19,9 @@ from tests.utils import TINY_ARCHS, make_tiny_model  # noqa: E402
 # `pagedllm serve` keeps engine configs between starts (core_launch's config cache): the tests' servers keep theirs
 # in a directory of this run, not in the user's cache.
 os.environ.setdefault("PAGEDLLM_CACHE_DIR", tempfile.mkdtemp(prefix="pagedllm-test-cache-"))
+# Tests compare engines and transformers value for value: one fixed CPU thread count for the whole run (and its
+# servers), so the results do not depend on how busy the machine is. The thread-count tests lift it.
+os.environ.setdefault("PAGEDLLM_CPU_THREADS", str(torch.get_num_threads()))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

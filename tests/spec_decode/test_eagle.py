@@ -173,9 +173,8 @@ def test_eagle3_n_stop_strings_and_logprobs(deep_llama, tmp_path):
         for wc, gc in zip(w.outputs, g.outputs):
             assert gc.token_ids == wc.token_ids and gc.text == wc.text
             for wl, gl in zip(wc.logprobs, gc.logprobs):
-                assert {t: round(v.logprob, 4) for t, v in wl.items()} == {
-                    t: round(v.logprob, 4) for t, v in gl.items()
-                }
+                assert wl.keys() == gl.keys()  # the step shapes differ: equal within float32 rounding
+                assert all(abs(wl[t].logprob - gl[t].logprob) < 1e-4 for t in wl)
     text = want[0].outputs[0].text
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop=[stop])
