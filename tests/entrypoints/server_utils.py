@@ -15,6 +15,15 @@ import httpx
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 API_KEY = "sk-pagedllm-test"
+# /metrics histograms of a request's phases (each observed once per finished request)
+PHASE_HISTOGRAMS = [
+    "request_queue_time_seconds",
+    "request_prefill_time_seconds",
+    "request_decode_time_seconds",
+    "request_inference_time_seconds",
+    "request_tokenize_time_seconds",
+    "request_frontend_to_core_seconds",
+]
 
 
 def free_port() -> int:

@@ -10,19 +10,11 @@ import time
 
 import pytest
 
-from tests.entrypoints.server_utils import REPO_ROOT, RemoteServer, metric
+from tests.entrypoints.server_utils import PHASE_HISTOGRAMS, REPO_ROOT, RemoteServer, metric
 
 # The stamps a request reaches one after another up to its first chunk out (the last token and the front-end's
 # "finished" can come before that chunk is written).
 ORDERED_STAMPS = ["arrival", "tokenized", "sent", "queued", "scheduled", "first_token", "first_token_out"]
-PHASE_HISTOGRAMS = [
-    "request_queue_time_seconds",
-    "request_prefill_time_seconds",
-    "request_decode_time_seconds",
-    "request_inference_time_seconds",
-    "request_tokenize_time_seconds",
-    "request_frontend_to_core_seconds",
-]
 
 
 def _load_tool():
