@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
+from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from pagedllm.config import make_engine_config
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.lora.request import LoRARequest
@@ -215,6 +216,27 @@ class LLM:
         except BaseException:
             engine.abort_request(added)
             raise
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """Beam search (vLLM's ``LLM.beam_search``): one ``BeamSearchOutput`` per prompt, in input order, holding
+        ``params.beam_width`` sequences (prompt + generated ``tokens``, ``text``, ``cum_logprob``), best first.
+
+        Each step runs every live beam of every prompt as a one-token request with ``logprobs`` set to the number
+        of candidates kept, all in one batch; prefix caching shares the beams' common full KV blocks, so a step
+        recomputes only each beam's last partial block. Candidate selection, EOS handling and the length-penalized
+        score (``cum_logprob / generated_len ** length_penalty``) are transformers' beam search with
+        ``early_stopping=False`` (see ``pagedllm.beam_search``). ``concurrency_limit`` bounds how many prompts are
+        searched at once. Bad ``params`` or prompts raise ``ValueError`` before any request runs.
+        """
+        self._check_running()
+        return run_beam_search(self, prompts, params, lora_request, use_tqdm, concurrency_limit)
 
     def chat(
         self,
