@@ -22,22 +22,27 @@ Which candidates survive and how finished sequences are scored follows transform
   ``beam_width`` of them and its best live beam, scored at its current length, cannot beat the worst
   (transformers' ``early_stopping=False`` heuristic), or at ``max_tokens``.
 
+``run_beam_search_async`` runs the same search for one prompt on an ``AsyncLLM`` (the server's
+``use_beam_search``): each step's one-token requests are all added before any is awaited, so they batch.
+
 vLLM's own loop differs (EOS candidates take live-beam slots; the prompt counts in the length penalty); the
 parameters, output types and field meanings are vLLM's.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pagedllm.outputs import Logprob
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.outputs import Logprob, RequestOutput
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
+    from pagedllm.engine.async_llm import AsyncLLM, RequestStream
     from pagedllm.engine.input_processor import InputProcessor, PromptType
     from pagedllm.entrypoints.llm import LLM
     from pagedllm.lora.request import LoRARequest
@@ -233,29 +238,9 @@ def run_beam_search(
     if concurrency_limit is not None and not (_is_int(concurrency_limit) and concurrency_limit >= 1):
         raise ValueError(f"concurrency_limit must be an integer >= 1, got {concurrency_limit!r}.")
     ip = llm.llm_engine.input_processor
-    eos_ids: frozenset[int] = frozenset()
-    if not params.ignore_eos:
-        eos_ids = frozenset(t for t in [ip.eos_token_id, *ip.extra_eos_token_ids] if t is not None)
-    num_logprobs = max(2, 1 + len(eos_ids)) * params.beam_width
-    if num_logprobs > ip.max_logprobs:
-        raise ValueError(
-            f"beam_width {params.beam_width} needs {num_logprobs} logprobs per step, more than this engine's "
-            f"max_logprobs ({ip.max_logprobs})"
-        )
-    searches = []
-    for p in prompts:
-        token_ids = _prompt_token_ids(ip, p)
-        if len(token_ids) + params.max_tokens > ip.max_model_len:
-            raise ValueError(
-                f"max_tokens {params.max_tokens} plus the prompt's {len(token_ids)} tokens exceeds "
-                f"max_model_len ({ip.max_model_len})"
-            )
-        searches.append(
-            PromptBeamSearch(token_ids, params.beam_width, params.max_tokens, params.length_penalty, eos_ids)
-        )
-    step_params = SamplingParams(
-        temperature=0.0, max_tokens=1, logprobs=num_logprobs, ignore_eos=True, detokenize=False
-    )
+    eos_ids = beam_search_eos_ids(ip, params)
+    step_params = _step_params(ip, params, eos_ids)
+    searches = [_new_search(ip, _prompt_token_ids(ip, p), params, eos_ids) for p in prompts]
     chunk = concurrency_limit or max(len(searches), 1)
     pbar = None
     if use_tqdm:
@@ -280,34 +265,118 @@ def run_beam_search(
                 for i in live:
                     s = searches[i]
                     n = len(s.beams)
-                    step = [
-                        {t: lp.logprob for t, lp in o.outputs[0].logprobs[0].items()}
-                        for o in outs[pos : pos + n]
-                    ]
+                    s.advance([_step_logprobs(o) for o in outs[pos : pos + n]])
                     pos += n
-                    s.advance(step)
                     if s.is_done and pbar is not None:
                         pbar.update(1)
     finally:
         if pbar is not None:
             pbar.close()
     tokenizer = llm.get_tokenizer()
-    results = []
-    for s in searches:
-        sequences = []
-        for token_ids, hyp in s.results(params.include_stop_str_in_output):
-            sequences.append(
-                BeamSearchSequence(
-                    tokens=token_ids,
-                    logprobs=hyp.beam.logprobs,
-                    cum_logprob=hyp.beam.cum_logprob,
-                    text=tokenizer.decode(token_ids) if tokenizer is not None else None,
-                    finish_reason="stop" if hyp.stop_reason is not None else "length",
-                    stop_reason=hyp.stop_reason,
-                )
+    return [_output(s, params, tokenizer) for s in searches]
+
+
+async def run_beam_search_async(
+    engine: AsyncLLM,
+    prompt_token_ids: list[int],
+    params: BeamSearchParams,
+    request_id: str,
+    lora_request: LoRARequest | None = None,
+) -> BeamSearchOutput:
+    """Beam search for one prompt on an ``AsyncLLM`` (the server's engine), with the same search as
+    ``run_beam_search``: each step adds one one-token request per live beam, all before awaiting any, so the
+    engine runs them as one batch. The step requests are ``{request_id}-{step}-{beam}``; cancelling the task
+    aborts those in flight. Raises ``ValueError`` (naming the field) as ``run_beam_search`` does."""
+    if not isinstance(params, BeamSearchParams):
+        raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+    ip = engine.input_processor
+    eos_ids = beam_search_eos_ids(ip, params)
+    step_params = _step_params(ip, params, eos_ids)
+    search = _new_search(ip, list(prompt_token_ids), params, eos_ids)
+    while not search.is_done:
+        streams: list[RequestStream] = []
+        try:
+            for j, beam in enumerate(search.beams):
+                prompt = {"prompt_token_ids": search.prompt_token_ids + beam.token_ids}
+                step_id = f"{request_id}-{search.num_steps}-{j}"
+                streams.append(engine.add_request(step_id, prompt, step_params, lora_request=lora_request))
+            outs = await asyncio.gather(*(_final_output(stream) for stream in streams))
+        finally:
+            for stream in streams:
+                stream.close()  # aborts a request still running (cancelled, or a sibling failed)
+        search.advance([_step_logprobs(o) for o in outs])
+    return _output(search, params, engine.tokenizer)
+
+
+async def _final_output(stream: RequestStream) -> RequestOutput:
+    final = None
+    async for out in stream:
+        final = out
+    if final is None or not final.outputs or not final.outputs[0].logprobs:
+        reason = final.outputs[0].finish_reason if final is not None and final.outputs else None
+        raise RuntimeError(f"beam search step {stream.request_id} ended without a token ({reason})")
+    return final
+
+
+def beam_search_eos_ids(ip: InputProcessor, params: BeamSearchParams) -> frozenset[int]:
+    """The token ids that end a beam: the model's EOS ids, none with ``ignore_eos``."""
+    if params.ignore_eos:
+        return frozenset()
+    return frozenset(t for t in [ip.eos_token_id, *ip.extra_eos_token_ids] if t is not None)
+
+
+def beam_search_num_logprobs(beam_width: int, eos_ids: frozenset[int]) -> int:
+    """Logprobs each step request asks for: the candidates a step may keep (``PromptBeamSearch.beams_to_keep``)."""
+    return max(2, 1 + len(eos_ids)) * beam_width
+
+
+def _step_params(ip: InputProcessor, params: BeamSearchParams, eos_ids: frozenset[int]) -> SamplingParams:
+    num_logprobs = beam_search_num_logprobs(params.beam_width, eos_ids)
+    if num_logprobs > ip.max_logprobs:
+        raise ValueError(
+            f"beam_width {params.beam_width} needs {num_logprobs} logprobs per step, more than this engine's "
+            f"max_logprobs ({ip.max_logprobs})"
+        )
+    return SamplingParams(
+        temperature=0.0,
+        max_tokens=1,
+        logprobs=num_logprobs,
+        ignore_eos=True,
+        detokenize=False,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+
+
+def _new_search(
+    ip: InputProcessor, token_ids: list[int], params: BeamSearchParams, eos_ids: frozenset[int]
+) -> PromptBeamSearch:
+    if len(token_ids) + params.max_tokens > ip.max_model_len:
+        raise ValueError(
+            f"max_tokens {params.max_tokens} plus the prompt's {len(token_ids)} tokens exceeds "
+            f"max_model_len ({ip.max_model_len})"
+        )
+    return PromptBeamSearch(token_ids, params.beam_width, params.max_tokens, params.length_penalty, eos_ids)
+
+
+def _step_logprobs(out: RequestOutput) -> dict[int, float]:
+    """The candidates of a step request's one token: token id -> log-probability."""
+    return {t: lp.logprob for t, lp in out.outputs[0].logprobs[0].items()}
+
+
+def _output(search: PromptBeamSearch, params: BeamSearchParams, tokenizer: Any) -> BeamSearchOutput:
+    sequences = []
+    for token_ids, hyp in search.results(params.include_stop_str_in_output):
+        sequences.append(
+            BeamSearchSequence(
+                tokens=token_ids,
+                logprobs=hyp.beam.logprobs,
+                cum_logprob=hyp.beam.cum_logprob,
+                text=tokenizer.decode(token_ids) if tokenizer is not None else None,
+                finish_reason="stop" if hyp.stop_reason is not None else "length",
+                stop_reason=hyp.stop_reason,
             )
-        results.append(BeamSearchOutput(sequences))
-    return results
+        )
+    return BeamSearchOutput(sequences)
 
 
 def _prompt_token_ids(ip: InputProcessor, prompt: PromptType) -> list[int]:

@@ -11,9 +11,15 @@ because OpenAI's chunk shapes omit some keys (a chat delta carries ``role`` only
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from pagedllm.beam_search import BeamSearchParams, beam_search_eos_ids, beam_search_num_logprobs
+from pagedllm.entrypoints.openai.errors import bad_request, from_value_error
+
+if TYPE_CHECKING:
+    from pagedllm.engine.input_processor import InputProcessor
 
 # ---------------------------------------------------------------------------------------------- requests
 
@@ -66,6 +72,9 @@ class _SamplingFields(OpenAIBaseModel):
     include_stop_str_in_output: bool | None = False
     skip_special_tokens: bool | None = True
     spaces_between_special_tokens: bool | None = True
+    # Beam search (vLLM's): ``n`` is the beam width; the n best sequences come back, best first.
+    use_beam_search: bool | None = False
+    length_penalty: float | None = 1.0
     # Output constraints: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -73,6 +82,72 @@ class _SamplingFields(OpenAIBaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+
+    def to_beam_search_params(self, max_tokens: int, ip: InputProcessor) -> BeamSearchParams:
+        """``BeamSearchParams`` for ``use_beam_search`` (``n`` is the beam width). A field beam search cannot
+        honor (streaming, sampling, stop sequences, constraints) is a 400 naming it, not silently ignored."""
+        if self.stream:
+            raise bad_request("stream is not supported with use_beam_search", "stream")
+        if self.temperature not in (None, 0):
+            raise bad_request(
+                f"temperature must be 0 with use_beam_search (it ranks by the model's log-probabilities), "
+                f"got {self.temperature}",
+                "temperature",
+            )
+        logprobs = getattr(self, "logprobs", None)
+        if logprobs is not None and logprobs is not False:  # completions: any number (0 too); chat: true
+            raise bad_request("logprobs is not supported with use_beam_search", "logprobs")
+        for name, neutral in _BEAM_SEARCH_NEUTRAL.items():
+            value = getattr(self, name, None)
+            if value is not None and value not in neutral:
+                raise bad_request(f"{name} is not supported with use_beam_search", name)
+        rf = self.response_format
+        if rf is not None and rf.type != "text":
+            raise bad_request("response_format is not supported with use_beam_search", "response_format")
+        length_penalty = 1.0 if self.length_penalty is None else self.length_penalty
+        try:
+            params = BeamSearchParams(
+                beam_width=self.n,
+                max_tokens=max_tokens,
+                ignore_eos=bool(self.ignore_eos),
+                length_penalty=length_penalty,
+                include_stop_str_in_output=bool(self.include_stop_str_in_output),
+            )
+        except ValueError as e:
+            raise from_value_error(
+                e, {"beam_width": "n", "max_tokens": None, "length_penalty": "length_penalty"}
+            ) from None
+        num_logprobs = beam_search_num_logprobs(self.n, beam_search_eos_ids(ip, params))
+        if num_logprobs > ip.max_logprobs:
+            raise bad_request(
+                f"n (the beam width) {self.n} needs {num_logprobs} logprobs per step, more than this server's "
+                f"max_logprobs ({ip.max_logprobs})",
+                "n",
+            )
+        return params
+
+
+# Fields beam search leaves alone: unset, or one of these values (which change nothing), else a 400.
+_BEAM_SEARCH_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "top_p": (1.0,),
+    "top_k": (0, -1),
+    "min_p": (0.0,),
+    "presence_penalty": (0.0,),
+    "frequency_penalty": (0.0,),
+    "repetition_penalty": (1.0,),
+    "min_tokens": (0,),
+    "stop": ([],),
+    "stop_token_ids": ([],),
+    "logit_bias": ({},),
+    "structured_outputs": (),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "echo": (False,),
+    "top_logprobs": (),
+    "tools": ([],),
+}
 
 
 class CompletionRequest(_SamplingFields):

@@ -10,6 +10,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from pagedllm.beam_search import run_beam_search_async
 from pagedllm.engine.async_llm import RequestStream
 from pagedllm.engine.output_processor import RequestTimeline
 from pagedllm.entrypoints.openai.chat_output import ChatOutput
@@ -41,7 +42,9 @@ from pagedllm.entrypoints.openai.serving_engine import (
     to_openai_error,
     wait_or_disconnect,
 )
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import RequestOutputKind
+from pagedllm.tokenizer import make_decode_fn
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -94,8 +97,10 @@ class OpenAIServingChat(OpenAIServing):
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
         num_top = (req.top_logprobs or 0) if req.logprobs else None
-        self.check_logprobs(num_top, "top_logprobs")
         self.check_stream_options(req)
+        if req.use_beam_search:
+            return await self._beam_search(req, raw_request, lora_request)
+        self.check_logprobs(num_top, "top_logprobs")
         plan = plan_tools(req, self.enable_auto_tool_choice, self.tool_call_parser)
         structured = structured_outputs_from_request(req)
         check_no_conflict(plan, structured)
@@ -147,6 +152,58 @@ class OpenAIServingChat(OpenAIServing):
         mark_first_output(stream)  # the response is ready
         self.log_timelines([stream], streaming=False)
         response.model = self.response_model_name(req.model)
+        return JSONResponse(response.model_dump())
+
+    async def _beam_search(
+        self, req: ChatCompletionRequest, raw_request: Request, lora_request: LoRARequest | None
+    ) -> Response:
+        """``use_beam_search``: the ``n`` best sequences as choices, best first; usage counts the prompt once
+        and the tokens of the returned choices."""
+        _, token_ids = self.render_prompt(
+            req.messages, req.add_generation_prompt is not False, template_kwargs=req.chat_template_kwargs
+        )
+        if req.max_completion_tokens is not None:
+            max_tokens_param, requested = "max_completion_tokens", req.max_completion_tokens
+        else:
+            max_tokens_param, requested = "max_tokens", req.max_tokens
+        max_tokens = self.resolve_max_tokens(
+            len(token_ids), requested, prompt_param="messages", max_tokens_param=max_tokens_param
+        )
+        params = req.to_beam_search_params(max_tokens, self.engine.input_processor)
+        plan = plan_tools(req, self.enable_auto_tool_choice, self.tool_call_parser)
+        request_id = new_request_id("chatcmpl")
+        work = run_beam_search_async(self.engine, token_ids, params, request_id, lora_request)
+        try:
+            output = await wait_or_disconnect(raw_request, work)
+        except Exception as e:  # noqa: BLE001 - mapped to the OpenAI error shape
+            raise to_openai_error(e, self.field_map) from None
+        if output is None:
+            return Response(status_code=499)
+        decode = make_decode_fn(
+            self.tokenizer,
+            req.skip_special_tokens is not False,
+            req.spaces_between_special_tokens is not False,
+        )
+        choices = []
+        num_completion_tokens = 0
+        for j, seq in enumerate(output.sequences):
+            generated = seq.tokens[len(token_ids) :]
+            num_completion_tokens += len(generated)
+            message, finish_reason = self._output(plan).final(decode(generated), seq.finish_reason)
+            choices.append(
+                ChatCompletionResponseChoice(
+                    index=j,
+                    message=ChatResponseMessage(role="assistant", **message),
+                    finish_reason=finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+        response = ChatCompletionResponse(
+            id=request_id,
+            model=self.response_model_name(req.model),
+            choices=choices,
+            usage=UsageInfo.of(len(token_ids), num_completion_tokens),
+        )
         return JSONResponse(response.model_dump())
 
     def _output(self, plan: ToolPlan) -> ChatOutput:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from pagedllm.beam_search import BeamSearchOutput, run_beam_search_async
 from pagedllm.engine.async_llm import RequestStream
 from pagedllm.engine.output_processor import RequestTimeline
 from pagedllm.entrypoints.openai.constraints import structured_outputs_from_request
@@ -33,8 +35,10 @@ from pagedllm.entrypoints.openai.serving_engine import (
     to_openai_error,
     wait_or_disconnect,
 )
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind
+from pagedllm.tokenizer import make_decode_fn
 
 
 class _Prompt:
@@ -81,8 +85,10 @@ class OpenAIServingCompletion(OpenAIServing):
             raise bad_request(f"best_of must equal n ({req.n}) when given; got {req.best_of}", "best_of")
         if req.n < 1:
             raise bad_request(f"n must be at least 1, got {req.n}", "n")
-        self.check_logprobs(req.logprobs, "logprobs")
         self.check_stream_options(req)
+        if req.use_beam_search:
+            return await self._beam_search(req, raw_request, lora_request)
+        self.check_logprobs(req.logprobs, "logprobs")
         structured = structured_outputs_from_request(req)
         prompts = self._prompts(req.prompt)
         tokenized_time = time.monotonic()
@@ -168,6 +174,68 @@ class OpenAIServingCompletion(OpenAIServing):
                 self.check_token_ids(token_ids, param)
                 out.append(_Prompt(self, None, token_ids))
         return out
+
+    # ------------------------------------------------------------------ beam search
+
+    async def _beam_search(
+        self, req: CompletionRequest, raw_request: Request, lora_request: LoRARequest | None
+    ) -> Response:
+        """``use_beam_search``: per prompt, the ``n`` best sequences as choices ``i * n .. i * n + n - 1``, best
+        first. Usage counts each prompt once and the tokens of the returned choices."""
+        prompts = self._prompts(req.prompt)
+        params = []
+        for prompt in prompts:
+            max_tokens = self.resolve_max_tokens(
+                len(prompt.token_ids), req.max_tokens, prompt_param="prompt", max_tokens_param="max_tokens"
+            )
+            params.append(req.to_beam_search_params(max_tokens, self.engine.input_processor))
+        request_id = new_request_id("cmpl")
+
+        async def search_all() -> list[BeamSearchOutput]:
+            tasks = [
+                asyncio.ensure_future(
+                    run_beam_search_async(self.engine, p.token_ids, bp, f"{request_id}-{i}", lora_request)
+                )
+                for i, (p, bp) in enumerate(zip(prompts, params))
+            ]
+            try:
+                return list(await asyncio.gather(*tasks))
+            finally:
+                for task in tasks:  # one failed: stop the others (a finished task ignores this)
+                    task.cancel()
+
+        try:
+            outputs = await wait_or_disconnect(raw_request, search_all())
+        except Exception as e:  # noqa: BLE001 - mapped to the OpenAI error shape
+            raise to_openai_error(e, self.field_map) from None
+        if outputs is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        decode = make_decode_fn(
+            self.tokenizer,
+            req.skip_special_tokens is not False,
+            req.spaces_between_special_tokens is not False,
+        )
+        choices = []
+        num_completion_tokens = 0
+        for i, (prompt, output) in enumerate(zip(prompts, outputs)):
+            for j, seq in enumerate(output.sequences):
+                token_ids = seq.tokens[len(prompt.token_ids) :]
+                num_completion_tokens += len(token_ids)
+                choices.append(
+                    CompletionResponseChoice(
+                        index=i * req.n + j,
+                        text=decode(token_ids),
+                        finish_reason=seq.finish_reason,
+                        stop_reason=seq.stop_reason,
+                    )
+                )
+        response = CompletionResponse(
+            id=request_id,
+            model=self.response_model_name(req.model),
+            choices=choices,
+            usage=UsageInfo.of(sum(len(p.token_ids) for p in prompts), num_completion_tokens),
+        )
+        return JSONResponse(response.model_dump())
 
     # ------------------------------------------------------------------ non-streaming
 
