@@ -44,7 +44,6 @@ from pagedllm.entrypoints.openai.serving_engine import (
 )
 from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import RequestOutputKind
-from pagedllm.tokenizer import make_decode_fn
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -111,13 +110,7 @@ class OpenAIServingChat(OpenAIServing):
             template_kwargs=req.chat_template_kwargs,
         )
         timeline = RequestTimeline(arrival_time, tokenized_time=time.monotonic())
-        if req.max_completion_tokens is not None:
-            max_tokens_param, requested = "max_completion_tokens", req.max_completion_tokens
-        else:
-            max_tokens_param, requested = "max_tokens", req.max_tokens
-        max_tokens = self.resolve_max_tokens(
-            len(token_ids), requested, prompt_param="messages", max_tokens_param=max_tokens_param
-        )
+        max_tokens = self._max_tokens(req, len(token_ids))
         streaming = bool(req.stream)
         kind = RequestOutputKind.DELTA if streaming else RequestOutputKind.FINAL_ONLY
         # Parsers that look for special tokens ([TOOL_CALLS], <|python_tag|>) need them in the text.
@@ -154,6 +147,15 @@ class OpenAIServingChat(OpenAIServing):
         response.model = self.response_model_name(req.model)
         return JSONResponse(response.model_dump())
 
+    def _max_tokens(self, req: ChatCompletionRequest, num_prompt_tokens: int) -> int:
+        """The completion's token limit: ``max_completion_tokens`` (OpenAI's newer name) or ``max_tokens``, checked
+        against the context (the rest of it when neither is given)."""
+        if req.max_completion_tokens is not None:
+            param, requested = "max_completion_tokens", req.max_completion_tokens
+        else:
+            param, requested = "max_tokens", req.max_tokens
+        return self.resolve_max_tokens(num_prompt_tokens, requested, prompt_param="messages", max_tokens_param=param)
+
     async def _beam_search(
         self, req: ChatCompletionRequest, raw_request: Request, lora_request: LoRARequest | None
     ) -> Response:
@@ -162,28 +164,15 @@ class OpenAIServingChat(OpenAIServing):
         _, token_ids = self.render_prompt(
             req.messages, req.add_generation_prompt is not False, template_kwargs=req.chat_template_kwargs
         )
-        if req.max_completion_tokens is not None:
-            max_tokens_param, requested = "max_completion_tokens", req.max_completion_tokens
-        else:
-            max_tokens_param, requested = "max_tokens", req.max_tokens
-        max_tokens = self.resolve_max_tokens(
-            len(token_ids), requested, prompt_param="messages", max_tokens_param=max_tokens_param
-        )
+        max_tokens = self._max_tokens(req, len(token_ids))
         params = req.to_beam_search_params(max_tokens, self.engine.input_processor)
         plan = plan_tools(req, self.enable_auto_tool_choice, self.tool_call_parser)
         request_id = new_request_id("chatcmpl")
         work = run_beam_search_async(self.engine, token_ids, params, request_id, lora_request)
-        try:
-            output = await wait_or_disconnect(raw_request, work)
-        except Exception as e:  # noqa: BLE001 - mapped to the OpenAI error shape
-            raise to_openai_error(e, self.field_map) from None
+        output = await self.run_beam_search(raw_request, work)
         if output is None:
             return Response(status_code=499)
-        decode = make_decode_fn(
-            self.tokenizer,
-            req.skip_special_tokens is not False,
-            req.spaces_between_special_tokens is not False,
-        )
+        decode = self.choice_decoder(req)
         choices = []
         num_completion_tokens = 0
         for j, seq in enumerate(output.sequences):

@@ -38,7 +38,6 @@ from pagedllm.entrypoints.openai.serving_engine import (
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind
-from pagedllm.tokenizer import make_decode_fn
 
 
 class _Prompt:
@@ -204,17 +203,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 for task in tasks:  # one failed: stop the others (a finished task ignores this)
                     task.cancel()
 
-        try:
-            outputs = await wait_or_disconnect(raw_request, search_all())
-        except Exception as e:  # noqa: BLE001 - mapped to the OpenAI error shape
-            raise to_openai_error(e, self.field_map) from None
+        outputs = await self.run_beam_search(raw_request, search_all())
         if outputs is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
-        decode = make_decode_fn(
-            self.tokenizer,
-            req.skip_special_tokens is not False,
-            req.spaces_between_special_tokens is not False,
-        )
+        decode = self.choice_decoder(req)
         choices = []
         num_completion_tokens = 0
         for i, (prompt, output) in enumerate(zip(prompts, outputs)):

@@ -32,7 +32,7 @@ from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import Logprob
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
-from pagedllm.tokenizer import TokenTextCache
+from pagedllm.tokenizer import TokenTextCache, make_decode_fn
 
 logger = logging.getLogger(__name__)
 
@@ -308,6 +308,20 @@ class OpenAIServing:
                 max_tokens_param,
             )
         return max_tokens
+
+    async def run_beam_search(self, raw_request: Request, work: Awaitable[T]) -> T | None:
+        """Await a beam search (``use_beam_search``); None if the client went away first. An engine error is
+        raised in OpenAI's error shape."""
+        try:
+            return await wait_or_disconnect(raw_request, work)
+        except Exception as e:  # noqa: BLE001 - mapped to the OpenAI error shape
+            raise to_openai_error(e, self.field_map) from None
+
+    def choice_decoder(self, req: Any) -> Any:
+        """Token ids -> text for a beam-search choice, with the request's special-token settings."""
+        return make_decode_fn(
+            self.tokenizer, req.skip_special_tokens is not False, req.spaces_between_special_tokens is not False
+        )
 
     @staticmethod
     def check_stream_options(req: Any) -> None:
