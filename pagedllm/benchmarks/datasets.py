@@ -375,3 +375,56 @@ def custom_prompts(
         item_output_len = int(item.get("output_tokens") or output_len)
         requests.append(SampleRequest(None, _num_tokens(tokenizer, prompt), item_output_len, prompt=prompt))
     return _oversample(requests, num_prompts, rng) if oversample else requests
+
+
+# ShareGPT-shaped lengths: log-normal prompt and reply lengths (median, sigma) close to ShareGPT V3's after vLLM's
+# filter (is_valid_sequence) with a Llama-3 tokenizer: means of about 200 prompt and 250 reply tokens, long tails.
+SHAREGPT_PROMPT_LENGTHS = (130.0, 1.15)
+SHAREGPT_REPLY_LENGTHS = (150.0, 1.0)
+
+
+def sharegpt_like_exchanges(tokenizer: Any, num: int, seed: int = 0) -> list[tuple[str, str]]:
+    """``num`` (human, gpt) text pairs of random tokens whose lengths follow ShareGPT's (the two log-normals above,
+    drawn until ``is_valid_sequence`` accepts them), for a ShareGPT-shaped benchmark where the real file cannot be
+    fetched. Lengths are in ``tokenizer``'s tokens before decoding; re-encoding the text may move them slightly."""
+    if num < 1:
+        raise ValueError(f"num must be >= 1, got {num}")
+    rng = np.random.default_rng(seed)
+    ids = _usable_token_ids(tokenizer)
+    pairs: list[tuple[str, str]] = []
+    while len(pairs) < num:
+        prompt_len = int(
+            round(rng.lognormal(math.log(SHAREGPT_PROMPT_LENGTHS[0]), SHAREGPT_PROMPT_LENGTHS[1]))
+        )
+        reply_len = int(round(rng.lognormal(math.log(SHAREGPT_REPLY_LENGTHS[0]), SHAREGPT_REPLY_LENGTHS[1])))
+        if not is_valid_sequence(prompt_len, reply_len):
+            continue
+        texts = (tokenizer.decode(rng.choice(ids, n).tolist()) for n in (prompt_len, reply_len))
+        pairs.append((next(texts), next(texts)))
+    return pairs
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m pagedllm.benchmarks.datasets sharegpt-file OUT.json --tokenizer DIR [--num N] [--seed S]``:
+    write a ShareGPT-shaped file (``sharegpt_like_exchanges``) for ``--dataset-name sharegpt``."""
+    import argparse
+
+    from pagedllm.tokenizer import get_tokenizer
+
+    parser = argparse.ArgumentParser(prog="python -m pagedllm.benchmarks.datasets")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser(
+        "sharegpt-file", help="write a ShareGPT-shaped JSON file of random-token conversations"
+    )
+    gen.add_argument("path")
+    gen.add_argument("--tokenizer", required=True)
+    gen.add_argument("--num", type=int, default=1000)
+    gen.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    pairs = sharegpt_like_exchanges(get_tokenizer(args.tokenizer), args.num, args.seed)
+    write_sharegpt_file(args.path, pairs)
+    print(f"wrote {len(pairs)} conversations to {args.path}")
+
+
+if __name__ == "__main__":
+    main()

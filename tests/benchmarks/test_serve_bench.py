@@ -147,6 +147,37 @@ def test_sharegpt_dataset_takes_first_human_turn_and_filters(tmp_path: Path) -> 
     assert len(more) == 5 and {r.prompt for r in more} <= {"a b c d e", "x y z w"}
 
 
+class WordVocab(WordTokenizer):
+    """WordTokenizer with a 1000-word vocabulary to decode from: ``decode`` gives one word per id."""
+
+    all_special_ids: list[int] = []
+
+    def __len__(self) -> int:
+        return 1000
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(f"w{i}" for i in ids)
+
+
+def test_sharegpt_shaped_file_follows_sharegpt_lengths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tok = WordVocab()
+    monkeypatch.setattr("pagedllm.tokenizer.get_tokenizer", lambda name: tok)
+    path = tmp_path / "sg.json"
+    datasets.main(["sharegpt-file", str(path), "--tokenizer", "words", "--num", "2000", "--seed", "3"])
+    reqs = datasets.sharegpt_prompts(tok, path, 2000, oversample=False)
+    assert len(reqs) == 2000  # every generated pair already passes vLLM's filter
+    prompt = np.array([r.prompt_len for r in reqs])
+    reply = np.array([r.expected_output_len for r in reqs])
+    # ShareGPT's shape: means near 200 prompt / 250 reply tokens, medians well below them (long tails).
+    assert 170 < prompt.mean() < 230 and 200 < reply.mean() < 270
+    assert np.median(prompt) < 0.8 * prompt.mean() and np.median(reply) < 0.8 * reply.mean()
+    assert prompt.max() > 700 and prompt.min() >= 4 and (prompt + reply).max() <= 2048
+    again = datasets.sharegpt_like_exchanges(tok, 5, seed=3)
+    assert again == datasets.sharegpt_like_exchanges(tok, 5, seed=3)  # seeded
+    with pytest.raises(ValueError, match="num"):
+        datasets.sharegpt_like_exchanges(tok, 0)
+
+
 def test_custom_dataset_reads_jsonl(tmp_path: Path) -> None:
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"prompt": "one two three"}\n\n{"prompt": "four five", "output_tokens": 7}\n')
@@ -388,11 +419,13 @@ def test_bench_serve_datasets_against_a_live_server(
     assert result["p50_ttft_ms"] > 0 and result["p99_e2el_ms"] > 0 and "mean_itl_ms" not in result
     assert 1 <= result["max_concurrent_requests"] <= 2
     assert result["burstiness"] == 0.5 and result["max_concurrency"] == 2
-    # The text path: sonnet prompts through the chat template, sent as completions text.
+    # The text path: sonnet prompts through the chat template, sent as completions text, on the other client
+    # library (the first run used aiohttp, the default when installed).
     saved = tmp_path / "sonnet.json"
     _bench(
         server, tiny_llama, "--dataset-name", "sonnet", "--num-prompts", "2", "--sonnet-input-len", "200",
         "--sonnet-prefix-len", "100", "--sonnet-output-len", "3", "--ignore-eos", "--save-result", str(saved),
+        "--http-client", "httpx",
     )  # fmt: skip
     result = json.loads(saved.read_text())
     assert result["completed"] == 2 and result["total_output_tokens"] == 6
