@@ -117,6 +117,14 @@ def main(argv: list[str] | None = None) -> int:
 
         core_launch.prespawn()  # the core imports torch and the engine while we import the server
     parser, leaves = build_parser(argv)
+    if words[:1] == ["serve"]:
+        from pagedllm.entrypoints.config_file import ConfigFileError, apply_config_file
+
+        try:  # `pagedllm serve --config FILE`: the file's settings become the defaults
+            apply_config_file(leaves[("serve",)], argv[argv.index("serve") + 1 :])
+        except ConfigFileError as e:
+            print(f"pagedllm serve: error: {e}", file=sys.stderr, flush=True)
+            return 2
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

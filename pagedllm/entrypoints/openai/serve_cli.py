@@ -22,6 +22,7 @@ from typing import Any
 
 from pagedllm.engine import core_launch
 from pagedllm.engine.arg_utils import add_engine_args, engine_kwargs_from_args, resolve_model_arg
+from pagedllm.entrypoints.config_file import add_config_arg
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -52,6 +53,7 @@ def parse_lora_modules(values: list[str] | None) -> list[tuple[str, str]]:
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser, model_positional=True)
+    add_config_arg(parser)
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server)")
     group.add_argument("--port", type=int, default=8000)
