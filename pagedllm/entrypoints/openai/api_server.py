@@ -1,6 +1,7 @@
 """`pagedllm serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn) in front of an ``AsyncLLM``.
 
-Endpoints: /v1/models, /v1/completions, /v1/chat/completions, /tokenize, /detokenize, /health, /version,
+Endpoints: /v1/models, /v1/completions, /v1/chat/completions, /v1/responses (and GET /v1/responses/{id}),
+/tokenize, /detokenize, /health, /version,
 /metrics, and /debug/integrity with ``--enable-debug-endpoints``. Everything but /health, /version and /metrics
 needs the API key when one is set (compared in constant time). Request bodies are bounded (``--max-request-body-bytes``) before any parsing.
 
@@ -37,6 +38,7 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ResponsesRequest,
     TokenizeRequest,
 )
 from pagedllm.entrypoints.openai.serve_cli import (  # noqa: F401 (the CLI's names, re-exported)
@@ -49,6 +51,11 @@ from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_engine import parse_body, to_openai_error
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels, runtime_lora_updating_from_env
+from pagedllm.entrypoints.openai.serving_responses import (
+    DEFAULT_RESPONSES_STORE_SIZE,
+    OpenAIServingResponses,
+    ResponseStore,
+)
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -181,6 +188,7 @@ def build_app(
     reasoning_parser: str | None = None,
     models: OpenAIServingModels | None = None,
     allow_runtime_lora_updating: bool = False,
+    responses_store_size: int = DEFAULT_RESPONSES_STORE_SIZE,
 ) -> FastAPI:
     """The FastAPI app for ``engine`` (an ``AsyncLLM``); ``metrics`` is a ``PrometheusStatLogger`` or None.
 
@@ -189,6 +197,8 @@ def build_app(
 
     ``enable_debug_endpoints`` adds ``GET /debug/integrity`` (behind the API key like /v1): the engine's full
     integrity check and its request-table sizes, for soak tests and operators chasing a leak.
+
+    ``responses_store_size``: how many stored /v1/responses results are kept (least recently used dropped first).
     """
     app = FastAPI(title="pagedllm", version=__version__)
     if models is None:
@@ -203,6 +213,7 @@ def build_app(
     )
     completion = OpenAIServingCompletion(engine, served_model_names, **serving_kwargs)
     chat = OpenAIServingChat(engine, served_model_names, **serving_kwargs)
+    responses = OpenAIServingResponses(chat, ResponseStore(responses_store_size))
     model_config = engine.model_config
 
     @app.exception_handler(OpenAIError)
@@ -289,6 +300,16 @@ def build_app(
         req = parse_body(await raw_request.body(), ChatCompletionRequest)
         return await chat.create_chat_completion(req, raw_request, arrival_time)
 
+    @app.post("/v1/responses", openapi_extra=_body_schema(ResponsesRequest))
+    async def create_response(raw_request: Request) -> Response:
+        arrival_time = time.monotonic()
+        req = parse_body(await raw_request.body(), ResponsesRequest)
+        return await responses.create_response(req, raw_request, arrival_time)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> JSONResponse:
+        return JSONResponse(responses.retrieve(response_id))
+
     @app.post("/tokenize", openapi_extra=_body_schema(TokenizeRequest))
     async def tokenize(raw_request: Request) -> JSONResponse:
         req = parse_body(await raw_request.body(), TokenizeRequest)
@@ -331,7 +352,7 @@ def build_app(
             return JSONResponse({"ok": error is None, "error": error, **state})
 
     _install_openapi_schemas(
-        app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest]
+        app, [CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest]
     )
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
     if api_key:
@@ -416,6 +437,7 @@ async def run_server(
             reasoning_parser=args.reasoning_parser,
             models=models,
             allow_runtime_lora_updating=args.allow_runtime_lora_updating or runtime_lora_updating_from_env(),
+            responses_store_size=args.responses_store_size,
         )
         uv_config = uvicorn.Config(
             app,

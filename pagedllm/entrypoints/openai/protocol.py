@@ -207,6 +207,50 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (enable_thinking...)
 
 
+class ResponsesTextFormat(OpenAIBaseModel):
+    """``text.format`` of a Responses request: plain text, any JSON object, or JSON for a schema."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponsesTextConfig(OpenAIBaseModel):
+    format: ResponsesTextFormat | None = None
+
+
+class ResponsesRequest(OpenAIBaseModel):
+    """POST /v1/responses (OpenAI's Responses API). ``input`` items and ``tools`` are checked item by item by
+    ``serving_responses``, so that a 400 names the item (``input[1].content``, ``tools[0].type``)."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = True
+    text: ResponsesTextConfig | None = None
+    stream: bool | None = False
+    store: bool | None = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    # vLLM extensions (sampling), as in chat completions
+    seed: int | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+
+
 class TokenizeRequest(OpenAIBaseModel):
     model: str | None = None
     prompt: str | None = None

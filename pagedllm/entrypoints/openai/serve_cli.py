@@ -105,6 +105,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)",
     )
     group.add_argument(
+        "--responses-store-size",
+        type=int,
+        default=1000,
+        help="/v1/responses results kept in memory for previous_response_id and retrieval (least recently used "
+        "dropped first; 0 keeps none)",
+    )
+    group.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,
@@ -165,6 +172,8 @@ def main(args: argparse.Namespace) -> int:
         args.lora_modules = parse_lora_modules(args.lora_modules)
         if args.lora_modules and not args.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora")
+        if args.responses_store_size < 0:
+            raise ValueError(f"--responses-store-size must be >= 0, got {args.responses_store_size}")
         if args.max_request_body_bytes < 1024:
             raise ValueError(
                 f"--max-request-body-bytes must be at least 1024, got {args.max_request_body_bytes}"
