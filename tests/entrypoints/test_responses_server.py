@@ -236,3 +236,59 @@ def test_input_items_become_chat_turns():
         ]
     )
     assert turn["content"] == "hi" and turn["tool_calls"][0]["function"]["name"] == "f"
+
+
+TOOL_TEXT = 'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("piece", [1, 3, 1000])
+@pytest.mark.parametrize(
+    "text, reasoning_parser, types",
+    [
+        (TOOL_TEXT, None, ["message", "function_call"]),
+        (
+            "<think>Paris is in France.</think>" + TOOL_TEXT,
+            "deepseek_r1",
+            ["reasoning", "message", "function_call"],
+        ),
+        ("<think>Short.</think>Answer.", "deepseek_r1", ["reasoning", "message"]),
+    ],
+)
+def test_streamed_items_equal_the_whole_text_items(piece, text, reasoning_parser, types):
+    """Reasoning, text and a Hermes tool call, streamed in pieces of ``piece`` characters: the events open and
+    close each item in order, and the finished items equal those of the whole text."""
+    from pagedllm.entrypoints.openai.chat_output import ChatOutput
+    from pagedllm.entrypoints.openai.constraints import ToolPlan
+    from pagedllm.entrypoints.openai.reasoning_parsers import get_reasoning_parser
+    from pagedllm.entrypoints.openai.serving_responses import _EventWriter, output_items
+    from pagedllm.entrypoints.openai.tool_parsers import get_tool_parser
+
+    plan = ToolPlan(mode="auto", tools=[WEATHER], parameters={"get_weather": UNIT})
+    tools = get_tool_parser("hermes")
+    reasoning = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
+    message, _ = ChatOutput(plan, reasoning, tools).final(text, "stop")
+    whole = output_items(message, "completed")
+
+    streaming = ChatOutput(plan, reasoning, tools)
+    writer = _EventWriter("resp_x")
+    chunks = []
+    for i in range(0, len(text), piece):
+        chunks += writer.delta(streaming.delta(text[i : i + piece]))
+    last, _ = streaming.finish("stop")
+    chunks += writer.delta(last)
+    chunks += writer.close_all("completed")
+    events = [json.loads(c.split("data: ", 1)[1]) for c in chunks]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    added = [e["item"]["type"] for e in events if e["type"] == "response.output_item.added"]
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert added == [d["type"] for d in done] == [item["type"] for item in whole] == types
+
+    def strip_ids(items):
+        return [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in items]
+
+    assert strip_ids(writer.output) == strip_ids(done) == strip_ids(whole)
+    if "function_call" in types:
+        assert json.loads(whole[-1]["arguments"]) == {"city": "Paris"}
+    if reasoning_parser:
+        deltas = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+        assert deltas == whole[0]["content"][0]["text"] == message["reasoning_content"]

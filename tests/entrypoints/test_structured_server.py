@@ -304,6 +304,56 @@ def test_tool_results_round_trip_through_the_template(tc, tool_server):
     assert resp.usage.prompt_tokens == tokenized["count"]
 
 
+def test_responses_items_render_as_the_chat_turns(tc):
+    """/v1/responses: a function_call and its function_call_output as input items reach the template as the
+    assistant's call and the tool's result, as in chat; Responses tools are flat (no ``function`` key)."""
+    call = {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}
+    items = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": "call_1", **call},
+        {"type": "function_call_output", "call_id": "call_1", "output": "18 degrees"},
+    ]
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "call_1", "type": "function", "function": call}],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees"},
+    ]
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    model = tc.models.list().data[0].id
+    for choice in ("none", "auto"):
+        r = tc.responses.create(
+            model=model, input=items, tools=tools, tool_choice=choice, max_output_tokens=6, temperature=0
+        )
+        resp = chat(tc, messages=messages, tools=TOOLS, tool_choice=choice, max_tokens=6)
+        assert r.usage.input_tokens == resp.usage.prompt_tokens
+        assert r.output_text == (resp.choices[0].message.content or "")
+        events = list(
+            tc.responses.create(
+                model=model, input=items, tools=tools, tool_choice=choice, max_output_tokens=6, temperature=0,
+                stream=True,
+            )
+        )  # fmt: skip
+        assert events[-1].response.output_text == r.output_text
+
+
+def test_responses_with_a_reasoning_parser_answer_as_chat(reasoning_server):
+    """The reasoning parser applies to /v1/responses as to chat: the same text, and a reasoning item exactly when
+    chat has reasoning_content (``test_responses_server`` streams one)."""
+    rc = reasoning_server.openai_client()
+    kw = {"model": rc.models.list().data[0].id, "input": "Hi", "max_output_tokens": 12, "temperature": 0}
+    r = rc.responses.create(**kw)
+    msg = chat(rc, messages=[{"role": "user", "content": "Hi"}], max_tokens=12).choices[0].message
+    reasoning = getattr(msg, "reasoning_content", None)
+    assert r.output_text == (msg.content or "")
+    assert [item.type for item in r.output if item.type == "reasoning"] == (["reasoning"] if reasoning else [])
+    events = list(rc.responses.create(stream=True, **kw))
+    assert events[-1].response.output_text == r.output_text
+
+
 @pytest.mark.parametrize(
     "kw, param",
     [
