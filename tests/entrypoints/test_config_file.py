@@ -157,3 +157,28 @@ def test_serve_reports_a_bad_file_and_exits_2(tmp_path, monkeypatch, capsys):
     assert "mapping" in capsys.readouterr().err
     assert cli.main(["serve", "--config", str(tmp_path / "missing.yaml")]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_a_server_runs_from_a_config_file(tiny_llama, tmp_path):
+    """`pagedllm serve --config FILE` end to end: the file's model, name, context length and responses store size
+    take effect, with the command line's flags (RemoteServer's device, port...) next to them."""
+    import openai
+
+    from tests.entrypoints.server_utils import RemoteServer
+
+    path = tmp_path / "serve.yaml"
+    path.write_text(
+        f"model: {tiny_llama}\nserved_model_name: [tiny]\nmax-model-len: 256\nresponses-store-size: 1\n"
+    )
+    server = RemoteServer(None, tmp_path / "server.log", extra_args=["--config", str(path)])
+    try:
+        client = server.openai_client()
+        [card] = client.models.list().data
+        assert (card.id, card.max_model_len) == ("tiny", 256)
+        first = client.responses.create(model="tiny", input="a", max_output_tokens=2)
+        second = client.responses.create(model="tiny", input="b", max_output_tokens=2)
+        assert client.responses.retrieve(second.id).id == second.id
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(first.id)  # the store holds one response
+    finally:
+        assert server.stop() == 0, server.log()
