@@ -413,7 +413,7 @@ class OpenAIServingResponses:
         chat.log_timelines([stream], streaming=False)
         output, finish_reason, num_output_tokens, num_cached = result
         response = self._finish(base, output, finish_reason, len(token_ids), num_output_tokens, num_cached)
-        self._keep(req, response, conversation)
+        self._keep(response, conversation)
         return JSONResponse(response)
 
     def _response_base(self, req: ResponsesRequest, response_id: str) -> dict[str, Any]:
@@ -472,10 +472,9 @@ class OpenAIServingResponses:
             },
         }
 
-    def _keep(
-        self, req: ResponsesRequest, response: dict[str, Any], conversation: list[dict[str, Any]]
-    ) -> None:
-        if req.store is not False:
+    def _keep(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+        """Store a finished response (unless its request said ``store: false``) with the conversation it ends."""
+        if response["store"]:
             self.store.put(response, conversation + [assistant_turn(response["output"])])
 
     def _chat_output(self, plan: ToolPlan) -> ChatOutput:
@@ -528,8 +527,7 @@ class OpenAIServingResponses:
             response = self._finish(
                 base, events.output, finish_reason, num_input_tokens, num_output_tokens, num_cached
             )
-            if base["store"]:
-                self.store.put(response, conversation + [assistant_turn(response["output"])])
+            self._keep(response, conversation)
             self.chat.log_timelines([stream], streaming=True)
             kind = "response.incomplete" if status == "incomplete" else "response.completed"
             yield events.send(kind, response=response)
