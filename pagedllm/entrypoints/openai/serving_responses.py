@@ -111,10 +111,8 @@ def _rename_param(err: OpenAIError) -> OpenAIError:
         return err
     m = re.match(r"([A-Za-z_]\w*)(.*)", param)
     root, rest = (m.group(1), m.group(2)) if m else (param, "")
-    if (
-        root == "messages"
-    ):  # the chat turns are built from instructions, history and input: no index carries over
-        new = "input"
+    if root == "messages":
+        new = "input"  # the chat turns are built from instructions, history and input: no index carries over
     elif root in _PARAM_NAMES:
         new = _PARAM_NAMES[root] + rest
     elif root == "tools":
