@@ -327,14 +327,14 @@ class SchedulerConfig:
             )
 
 
-SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "medusa")
 
 
 @dataclass
 class SpeculativeConfig:
     """``speculative_config`` as vLLM takes it: ``{"method": "ngram", "num_speculative_tokens": k,
     "prompt_lookup_max": 4, "prompt_lookup_min": 2}`` or ``{"model": DRAFT_DIR, "num_speculative_tokens": k}``
-    (method ``draft_model``, implied by ``model``) or ``{"method": "eagle" | "eagle3", "model": DIR, ...}``."""
+    (method ``draft_model``, implied by ``model``) or ``{"method": "eagle" | "eagle3" | "medusa", "model": DIR, ...}``."""
 
     num_speculative_tokens: int
     method: str | None = None
@@ -400,8 +400,8 @@ class SpeculativeConfig:
 
     def check_target(self, target: ModelConfig) -> None:
         """Read the draft's config and check it can serve ``target`` (``ValueError`` naming the field)."""
-        if self.method == "ngram":
-            return
+        if self.method in ("ngram", "medusa"):
+            return  # Medusa heads' config.json is no transformers config: MedusaProposer reads and checks it
         from transformers import AutoConfig
 
         self.draft_hf_config = PlainHFConfig.from_hf(AutoConfig.from_pretrained(self.model))
@@ -606,8 +606,8 @@ def _check_pipeline_parallel(
     pp = parallel_config.pipeline_parallel_size
     for what, used in (
         (
-            "speculative_config.method 'eagle' / 'eagle3'",
-            spec is not None and spec.method in ("eagle", "eagle3"),
+            "speculative_config.method 'eagle' / 'eagle3' / 'medusa'",
+            spec is not None and spec.method in ("eagle", "eagle3", "medusa"),
         ),
         ("data_parallel_size > 1", parallel_config.data_parallel_size > 1),
     ):
@@ -766,7 +766,7 @@ def make_engine_config(
             if async_scheduling:
                 logger.warning("async scheduling is not used with speculative decoding: turning it off")
             scheduler_config.async_scheduling = False
-        if spec.method != "ngram":
+        if spec.method not in ("ngram", "medusa"):  # proposers that write their own KV for the drafts
             scheduler_config.num_lookahead_tokens = spec.num_speculative_tokens
     return EngineConfig(
         model_config=model_config,

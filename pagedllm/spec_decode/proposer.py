@@ -85,6 +85,10 @@ def make_proposer(config: EngineConfig, runner: Any) -> Proposer:
         from pagedllm.spec_decode.draft_model import DraftModelProposer
 
         return DraftModelProposer(config)
+    if spec.method == "medusa":
+        from pagedllm.spec_decode.medusa import MedusaProposer
+
+        return MedusaProposer(config, runner)
     from pagedllm.spec_decode.eagle import EagleProposer
 
     return EagleProposer(config, runner)

@@ -110,9 +110,10 @@ class ModelRunner:
         self.allow_piecewise = True  # a draft model's runner sets False (see _piecewise_wanted)
         self._last_step: StepInFlight | None = None  # the latest step with sampled tokens
         self._next_step_id = 0
-        # EAGLE drafts read each step's hidden states (StepInFlight.draft_hidden); such steps run eagerly.
+        # EAGLE and Medusa drafts read each step's hidden states (StepInFlight.draft_hidden); such steps run
+        # eagerly.
         spec = config.speculative_config
-        self.keep_hidden = spec is not None and spec.method in ("eagle", "eagle3")
+        self.keep_hidden = spec is not None and spec.method in ("eagle", "eagle3", "medusa")
         # Steps of at most this many tokens per request also replay CUDA graphs: k + 1 with speculative decoding
         # (verification; a draft model's runner gets it from its proposer, for its catch-up passes).
         self.graph_query_len = 1 if spec is None else 1 + spec.num_speculative_tokens
@@ -630,7 +631,7 @@ class ModelRunner:
         if isinstance(hidden, tuple):
             hidden, step.draft_hidden = hidden
         elif self.keep_hidden:
-            step.draft_hidden = hidden  # an EAGLE draft reads the target's final hidden states
+            step.draft_hidden = hidden  # an EAGLE or Medusa draft reads the target's final hidden states
 
         step.req_ids = req_ids
         step.query_start = cu  # [num_reqs + 1] flattened offsets of each request's tokens

@@ -2,8 +2,8 @@
 rank gets; only rank 0 verifies them, and the workers append the emitted tokens (accepted drafts plus one) that
 ride with the next launch, dropping the rejected drafts as rank 0's runner does. Greedy output equals
 transformers' with drafts both accepted and rejected, with stop tokens and max_tokens inside drafts, for n-gram and
-draft-model proposers, and for EAGLE / EAGLE-3 heads (whole on rank 0, with whole copies of the target's
-embedding and LM head); no KV block leaks. (Speculation under pipeline parallelism: tests/distributed/test_pp_engine.py.)
+draft-model proposers, for EAGLE / EAGLE-3 heads (whole on rank 0, with whole copies of the target's
+embedding and LM head) and for Medusa heads; no KV block leaks. (Speculation under pipeline parallelism: tests/distributed/test_pp_engine.py.)
 
 One process holds one multi-rank engine at a time: the tests with an LLM of their own come first and shut it
 down, then the module's n-gram LLM serves the rest (and lives until the module ends)."""
@@ -101,6 +101,26 @@ def test_tp2_eagle_matches_transformers(method, tmp_path_factory):
             torch.testing.assert_close(proposer.lm_head.weight, lm_head, rtol=0, atol=0)
         else:
             assert proposer.lm_head is None  # EAGLE-3 scores its own draft vocabulary
+    finally:
+        shutdown(llm)
+
+
+def test_tp2_medusa_matches_transformers(tiny_llama, tmp_path):
+    """Medusa heads run whole on rank 0 over rank 0's final hidden states (full after the last all-reduce); they
+    keep no KV cache, so nothing else crosses ranks."""
+    from tests.spec_decode.test_medusa import PROMPTS, make_medusa_heads
+    from tests.spec_decode.test_medusa import reference as medusa_reference
+
+    heads, _ = make_medusa_heads(tiny_llama, tmp_path / "medusa")
+    spec = {"method": "medusa", "model": heads, "num_speculative_tokens": 3}
+    llm = tp_spec_llm(tiny_llama, spec, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=16)
+    try:
+        checks = check_every_step(llm)
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": list(p)} for p in PROMPTS], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == medusa_reference(tiny_llama, tuple(PROMPTS))
+        assert stats(llm).spec_num_draft_tokens > 0 and checks[0] > 0
+        assert_no_leaks(llm)
     finally:
         shutdown(llm)
 

@@ -1,0 +1,101 @@
+"""Medusa proposer (``method="medusa"``): the heads of ``pagedllm/models/medusa.py`` over the target's hidden
+states.
+
+After every target step, for each request that may speculate and whose last computed, kept position p is the one
+that produced its newest token (p = num_tokens - 2), head i reads the target's final hidden state at p and its
+argmax is draft i + 1 (the token at num_tokens + i). The heads keep no KV cache and need no catch-up pass: only
+that one row of each request is read. The target's steps run eagerly (their hidden states must be kept), and the
+drafts are deterministic, so the rejection sampler keeps the output exact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.request import Request
+from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.spec_decode.proposer import can_speculate
+
+
+class MedusaProposer:
+    def __init__(self, config: EngineConfig, runner: Any) -> None:
+        from pagedllm.model_loader import (
+            _default_dtype,
+            init_dummy_weights,
+            iter_safetensors,
+            load_weights,
+            process_weights_after_loading,
+        )
+        from pagedllm.models.medusa import MedusaConfig, MedusaHeads, medusa_weight_names
+
+        spec = config.speculative_config
+        mc = config.model_config
+        self.k = spec.num_speculative_tokens
+        self.device = runner.device
+        self.max_model_len = mc.max_model_len
+        with open(os.path.join(spec.model, "config.json")) as f:
+            head_config = MedusaConfig.from_dict(json.load(f), mc.hf_config.hidden_size, mc.vocab_size)
+        if self.k > head_config.num_heads:
+            raise ValueError(
+                f"speculative_config.num_speculative_tokens ({self.k}) exceeds the Medusa heads' number "
+                f"({head_config.num_heads})"
+            )
+        with _default_dtype(mc.dtype), torch.device(self.device):
+            heads = MedusaHeads(head_config)
+        if mc.load_format == "dummy":
+            init_dummy_weights(heads, mc.seed)
+        else:
+            load_weights(heads, medusa_weight_names(iter_safetensors(spec.model), head_config.num_hidden_layers))
+        process_weights_after_loading(heads)
+        self.heads = heads.eval()
+
+    def kv_block_bytes(self) -> int:
+        return 0
+
+    def init_kv_cache(self, num_blocks: int, kv: KVCacheManager) -> None:
+        pass
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        requests: Sequence[Request],
+        sched: SchedulerOutput | None = None,
+        step: Any = None,
+        result: ModelRunnerOutput | None = None,
+    ) -> None:
+        if sched is None or step is None or step.draft_hidden is None:
+            return
+        live = {r.request_id: r for r in requests}
+        rows, chosen = [], []  # the hidden row of each request given drafts; (request, number of drafts)
+        for i, req_id in enumerate(step.req_ids):
+            request = live.get(req_id)
+            if request is None or not can_speculate(request):
+                continue
+            start = sched.num_computed_tokens[req_id]
+            count = sched.num_scheduled_tokens[req_id]
+            drafts = sched.scheduled_spec_decode_tokens.get(req_id)
+            if drafts:
+                count -= len(drafts) + 1 - len(result.sampled_token_ids.get(req_id, ()))  # rejected ones
+            k = min(
+                self.k,
+                self.max_model_len - request.num_tokens - 1,
+                request.max_tokens - request.num_output_tokens - 1,
+            )
+            if count <= 0 or start + count != request.num_tokens - 1 or k <= 0:
+                continue
+            rows.append(int(step.query_start[i]) + count - 1)
+            chosen.append((request, k))
+        if not chosen:
+            return
+        hidden = step.draft_hidden[torch.tensor(rows, device=self.device)]  # [m, H]
+        num_heads = max(k for _, k in chosen)
+        drafts = self.heads(hidden, num_heads).argmax(dim=-1).T.tolist()  # [m][num_heads]
+        for (request, k), d in zip(chosen, drafts):
+            request.spec_token_ids = d[:k]
