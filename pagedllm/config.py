@@ -583,6 +583,8 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     lora_config: LoRAConfig | None = None  # None: LoRA adapters are refused
+    enable_sleep_mode: bool = False  # LLM.sleep / wake_up may release device memory (pagedllm/worker/sleep_mode.py)
+    worker_extension_cls: str | None = None  # "module.Class" mixed into every rank's Worker (collective_rpc)
 
     @property
     def data_parallel_size(self) -> int:
@@ -677,6 +679,8 @@ def make_engine_config(
     kv_cache_dtype: str = "auto",
     disable_hybrid_kv_cache_manager: bool = False,
     usage_context: str = "llm",
+    enable_sleep_mode: bool = False,
+    worker_extension_cls: str | None = None,
 ) -> EngineConfig:
     """Build every config from vLLM-named keyword arguments (what ``LLM(...)`` and ``pagedllm serve`` take).
     ``usage_context``: "llm" (offline) or "api_server", which picks the batch defaults (``default_batch_limits``)."""
@@ -686,6 +690,12 @@ def make_engine_config(
         get_reasoning_parser(reasoning_parser)  # ValueError naming the valid ones
     # ValueError naming the field, before anything is loaded
     cudagraph_mode = parse_compilation_config(compilation_config, optimization_level)
+    if enable_sleep_mode and speculative_config is not None:
+        raise ValueError("enable_sleep_mode: sleep mode with speculative decoding is not supported yet")
+    if worker_extension_cls is not None:
+        from pagedllm.worker.worker import load_extension_class
+
+        load_extension_class(worker_extension_cls)  # ValueError naming worker_extension_cls
     device_config = DeviceConfig(device)
     lora_config = LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None
     spec = None if speculative_config is None else SpeculativeConfig.from_dict(speculative_config)
@@ -781,4 +791,6 @@ def make_engine_config(
         speculative_config=spec,
         parallel_config=parallel_config,
         lora_config=lora_config,
+        enable_sleep_mode=enable_sleep_mode,
+        worker_extension_cls=worker_extension_cls,
     )

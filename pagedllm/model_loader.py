@@ -219,18 +219,8 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
         if canonical is None:
             unexpected.append(ckpt_name)
             continue
-        param = params[canonical]
-        num_shards = getattr(param, "num_shards", None)
         try:
-            if shard_id is not None:
-                param.weight_loader(param, tensor, shard_id)
-                shards = {shard_id}
-            elif num_shards is not None:  # the checkpoint already holds the fused tensor
-                getattr(param, "fused_weight_loader", default_weight_loader)(param, tensor)
-                shards = set(range(num_shards))
-            else:
-                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-                shards = {None}
+            shards = load_tensor(params[canonical], params[canonical], tensor, shard_id)
         except ValueError as e:
             raise ValueError(f"cannot load checkpoint tensor {ckpt_name!r} into {canonical!r}: {e}") from e
         loaded.setdefault(canonical, set()).update(shards)
@@ -247,6 +237,24 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
             "checkpoint does not match the model: "
             f"unexpected keys {sorted(unexpected)}; missing (or partly loaded) parameters {sorted(missing)}"
         )
+
+
+def load_tensor(
+    param: nn.Parameter, target: torch.Tensor, tensor: torch.Tensor, shard_id: int | None
+) -> set[int | None]:
+    """Copy checkpoint tensor ``tensor`` (shard ``shard_id`` of a fused parameter, or the whole of it) into
+    ``target`` through ``param``'s loaders (``target`` is ``param`` itself, or a stand-in of the same shape: a
+    meta tensor checks shapes without writing anything). Returns the shards it filled; ``ValueError`` on a shape
+    the parameter cannot take."""
+    num_shards = getattr(param, "num_shards", None)
+    if shard_id is not None:
+        param.weight_loader(target, tensor, shard_id)
+        return {shard_id}
+    if num_shards is not None:  # the checkpoint already holds the fused tensor
+        getattr(param, "fused_weight_loader", default_weight_loader)(target, tensor)
+        return set(range(num_shards))
+    getattr(param, "weight_loader", default_weight_loader)(target, tensor)
+    return {None}
 
 
 @torch.no_grad()

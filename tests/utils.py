@@ -355,3 +355,22 @@ def assert_greedy_and_logprobs_match_hf(outs, path: str, prompts: list[list[int]
         ref = hf_logprobs(path, prompt + comp.token_ids[:-1])
         for j, (tok, lps) in enumerate(zip(comp.token_ids, comp.logprobs)):
             assert abs(lps[tok].logprob - ref[len(prompt) - 1 + j][tok].item()) < 1e-4
+
+
+def perturbed_checkpoint(src: str | Path, dst: str | Path, seed: int = 1, scale: float = 0.3) -> dict[str, torch.Tensor]:
+    """Copy the checkpoint directory ``src`` to ``dst`` with every weight changed (``w + scale * |w|.mean() *
+    noise``, seeded): a trainer's "new weights" that move greedy outputs. Returns the new state dict (HF names)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src, dst = Path(src), Path(dst)
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
+    gen = torch.Generator().manual_seed(seed)
+    state: dict[str, torch.Tensor] = {}
+    for path in sorted(src.glob("*.safetensors")):
+        for name, w in load_file(path).items():
+            noise = torch.randn(w.shape, generator=gen, dtype=torch.float32).to(w.dtype)
+            state[name] = (w + scale * w.abs().mean() * noise).contiguous()
+    save_file(state, dst / "model.safetensors")
+    return state

@@ -148,6 +148,7 @@ def _worker_main(
     """Worker rank ``rank`` (>= 1): join the ranks at ``init_method``, build this rank's ``ModelRunner`` on
     ``device`` (None: ``local_rank_device``), then run what rank 0 broadcasts until "stop"."""
     from pagedllm.worker.model_runner import ModelRunner
+    from pagedllm.worker.worker import make_worker
 
     if started is not None:  # the "mp" launcher's Event: this process is up and about to join (wait_ready)
         started.set()
@@ -155,6 +156,7 @@ def _worker_main(
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.parallel_config.world_size))
     tp, pp, control, link = _join(config, rank, init_method, dev)
     runner = ModelRunner(_rank_config(config, dev), tp=tp, pp=pp)
+    worker = make_worker(runner, rank)
     samples = link is not None and rank == _sampler_rank(config)  # this rank samples for rank 0
     last = None  # async scheduling: the last launched step, whose tokens rank 0 sends with the next message
     stopped = False
@@ -188,6 +190,8 @@ def _worker_main(
                 except Exception as e:  # noqa: BLE001 - reported to rank 0, which raises it
                     error = f"{type(e).__name__}: {e}"
                 dist.gather_object(error, None, dst=0, group=control)
+            elif method == "collective_rpc":
+                dist.gather_object(_rpc_outcome(worker, *args), None, dst=0, group=control)
             elif method == "batch_tokens":
                 if args[1]:
                     _receive_sampled(runner, last, args[1], tp)
@@ -216,6 +220,17 @@ def _process_main(main: Any, *args: Any) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _rpc_outcome(worker: Any, method: Any, args: Any, kwargs: dict) -> tuple[bool, Any]:
+    """``(True, result)`` of one ``collective_rpc`` call on this rank, or ``(False, (exception type name,
+    message))`` when it raised (gathered to rank 0, which raises it)."""
+    from pagedllm.worker.worker import run_rpc
+
+    try:
+        return True, run_rpc(worker, method, args, kwargs)
+    except Exception as e:  # noqa: BLE001 - reported to rank 0
+        return False, (type(e).__name__, str(e))
 
 
 def _count(tokens: torch.Tensor | None) -> int:
@@ -413,6 +428,9 @@ class MultiprocRunner:
             )
         local_lora = self.runner.lora_manager
         self.lora_manager = None if local_lora is None else TPLoRAManager(local_lora, self)
+        from pagedllm.worker.worker import make_worker
+
+        self.worker = make_worker(self.runner, 0)  # rank 0's collective_rpc endpoint
 
     def __getattr__(self, name: str) -> Any:
         if name == "runner":
@@ -441,6 +459,33 @@ class MultiprocRunner:
         failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
         if failed:
             raise ValueError(f"{method} failed on tensor-parallel {'; '.join(failed)}")
+
+    def collective_rpc(self, method: Any, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
+        """Run ``method`` on every rank's ``Worker`` (pagedllm/worker/worker.py); the results in rank order. A
+        call that raised on some rank raises here once every rank is done: rank 0's own exception, else the
+        first worker's, rebuilt as its builtin type (``ValueError``...) and naming its rank."""
+        from pagedllm.worker.worker import encode_method, run_rpc
+
+        kwargs = kwargs or {}
+        payload = encode_method(method)
+        outcomes: list[Any] = [None] * self._size
+        with self._collective():
+            self._broadcast("collective_rpc", payload, tuple(args), kwargs)
+            local_error: BaseException | None = None
+            result = None
+            try:
+                result = run_rpc(self.worker, method, args, kwargs)
+            except Exception as e:  # noqa: BLE001 - raised once the workers' outcomes are in
+                local_error = e
+            dist.gather_object(None, outcomes, dst=0, group=self._control)
+        if local_error is not None:
+            raise local_error
+        results = [result]
+        for rank, (ok, value) in enumerate(outcomes[1:], start=1):
+            if not ok:
+                raise _rebuild_error(value[0], f"tensor/pipeline-parallel rank {rank}: {value[1]}")
+            results.append(value)
+        return results
 
     def check_batches(self) -> None:
         """``RuntimeError`` naming the rank and request when a rank's persistent batch differs from rank 0's
@@ -579,6 +624,16 @@ class MultiprocRunner:
         finally:
             self._launcher.stop()
             runner.shutdown()
+
+
+def _rebuild_error(type_name: str, message: str) -> Exception:
+    """An exception of the builtin type a worker raised (ValueError, RuntimeError...), else RuntimeError."""
+    import builtins
+
+    exc_type = getattr(builtins, type_name, None)
+    if isinstance(exc_type, type) and issubclass(exc_type, Exception):
+        return exc_type(message)
+    return RuntimeError(f"{type_name}: {message}")
 
 
 def _leave_after_kill(device: torch.device) -> None:

@@ -151,6 +151,34 @@ class DataParallelEngineCore:
     def reset_prefix_cache(self) -> bool:
         return all([core.reset_prefix_cache() for core in self.cores])
 
+    def collective_rpc(self, method: Any, args: Sequence[Any] = (), kwargs: dict | None = None) -> list[Any]:
+        """Every data-parallel rank's workers, rank by rank: the results concatenated."""
+        return [r for core in self.cores for r in core.collective_rpc(method, args, kwargs)]
+
+    def update_weights(self, weights: Any) -> int:
+        from pagedllm.worker.weight_update import check_pairs
+
+        weights = check_pairs(weights)
+        specs = [(name, t.dtype, tuple(t.shape)) for name, t in weights]
+        for core in self.cores:  # every rank checks before any writes
+            core.collective_rpc("check_weights", (specs,))
+        return [core.update_weights(weights) for core in self.cores][0]
+
+    def sleep(self, level: int = 1) -> None:
+        for core in self.cores:
+            core.sleep(level)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        for core in self.cores:
+            core.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return any(core.is_sleeping() for core in self.cores)
+
+    def check_awake(self) -> None:
+        for core in self.cores:
+            core.check_awake()
+
     def add_lora(self, lora_request: Any) -> bool:
         return all([core.add_lora(lora_request) for core in self.cores])
 

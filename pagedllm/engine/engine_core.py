@@ -8,7 +8,10 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
+
+import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager, blocks_per_sequence, cdiv, plan_kv_cache_layout
@@ -44,6 +47,7 @@ class EngineCore:
         self._tokenizer = tokenizer
         self.structured: StructuredOutputManager | None = None  # created at the first constrained request
         self.proposer = None
+        self._worker = None  # rank 0's Worker in a one-rank engine (collective_rpc), made at first use
         self._in_flight: tuple[SchedulerOutput, StepInFlight] | None = None  # launched, not yet collected
         self._pending_sample: tuple[StepInFlight, Any] | None = None  # launched; its bitmask is being filled
         self._shut_down = False
@@ -62,6 +66,7 @@ class EngineCore:
             self.runner = MultiprocRunner(config)  # rank 0 here, the other ranks in worker processes
         else:
             self.runner = ModelRunner(config)
+        self._asleep: set[str] = set()  # sleep mode: the parts ("weights", "kv_cache") now released
         try:
             self._start(t0)
         except BaseException:  # workers, process groups and device memory must not outlive a failed start
@@ -194,6 +199,7 @@ class EngineCore:
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a tokenized request; ``ValueError`` if it can never run (the front-end checks this first)."""
+        self.check_awake()
         max_len = self.config.model_config.max_model_len
         ids = request.prompt_token_ids
         if not ids:
@@ -412,6 +418,88 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
 
+    # ------------------------------------------------------------------ rollout-engine hooks (RL frameworks)
+
+    def collective_rpc(
+        self, method: str | Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        """Run ``method`` on every rank's ``Worker`` (pagedllm/worker/worker.py); one result per rank, in rank
+        order. Runs between steps: nothing is in flight here when the engine is idle."""
+        kwargs = dict(kwargs or {})
+        if isinstance(self.runner, ModelRunner):
+            from pagedllm.worker.worker import make_worker, run_rpc
+
+            if self._worker is None:
+                self._worker = make_worker(self.runner, 0)
+            return [run_rpc(self._worker, method, tuple(args), kwargs)]
+        return self.runner.collective_rpc(method, tuple(args), kwargs)
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Write ``(HF checkpoint name, full tensor)`` pairs on every rank (each takes its shard), then reset the
+        prefix cache (its blocks hold the old weights' keys and values). Every rank checks every pair before any
+        rank writes: ``ValueError`` naming the tensor leaves the model unchanged. Returns how many tensors rank 0
+        took."""
+        from pagedllm.worker.weight_update import check_pairs
+
+        weights = check_pairs(weights)
+        if "weights" in self._asleep:
+            raise RuntimeError("the weights are asleep: wake_up(tags=['weights']) before updating them")
+        if self.has_unfinished_requests():
+            raise RuntimeError("cannot update weights while requests are unfinished")
+        specs = [(name, t.dtype, tuple(t.shape)) for name, t in weights]
+        self.collective_rpc("check_weights", (specs,))
+        if not isinstance(self.runner, ModelRunner):  # pickled to the other ranks: host tensors
+            weights = [(name, t.detach().cpu()) for name, t in weights]
+        num_loaded = self.collective_rpc("apply_weights", (weights,))[0]
+        self.reset_prefix_cache()
+        return num_loaded
+
+    def sleep(self, level: int = 1) -> None:
+        """Release the weights (``level`` 1: kept in host memory; 2: discarded) and the KV cache on every rank
+        (pagedllm/worker/sleep_mode.py), after resetting the prefix cache. Needs ``enable_sleep_mode``
+        (``ValueError`` naming it) and an idle engine."""
+        if not self.config.enable_sleep_mode:
+            raise ValueError("enable_sleep_mode: sleep mode is off; start the engine with enable_sleep_mode=True")
+        if level not in (1, 2):
+            raise ValueError(f"level: sleep level must be 1 or 2, got {level!r}")
+        if self.has_unfinished_requests():
+            raise RuntimeError("cannot sleep while requests are unfinished")
+        self.reset_prefix_cache()
+        self.collective_rpc("sleep", (level,))
+        self._asleep = {"weights", "kv_cache"}
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Bring back ``tags`` ("weights", "kv_cache"; None: both) on every rank. Once both are back, CUDA graphs
+        are captured again (the memory came back at new addresses). After ``sleep(level=2)`` the weights hold
+        garbage until written (``update_weights``, or ``collective_rpc("reload_weights")``)."""
+        from pagedllm.worker.sleep_mode import TAGS
+
+        if not self.config.enable_sleep_mode:
+            raise ValueError("enable_sleep_mode: sleep mode is off; start the engine with enable_sleep_mode=True")
+        if tags is None:
+            tags = list(TAGS)
+        if isinstance(tags, str) or any(t not in TAGS for t in tags):
+            raise ValueError(f"tags: expected a list of {list(TAGS)} (or None for all), got {tags!r}")
+        to_wake = [t for t in tags if t in self._asleep]
+        if not to_wake:
+            return
+        self.collective_rpc("wake_up", (to_wake,))
+        self._asleep -= set(to_wake)
+        if not self._asleep:
+            with compile_watch.start_up():
+                self.runner.maybe_capture_cuda_graphs()
+
+    def is_sleeping(self) -> bool:
+        """Whether any part (weights, KV cache) is released."""
+        return bool(self._asleep)
+
+    def check_awake(self) -> None:
+        """``RuntimeError`` while the engine sleeps: it cannot run requests."""
+        if self._asleep:
+            raise RuntimeError(
+                f"the engine is sleeping ({', '.join(sorted(self._asleep))} released): call wake_up() first"
+            )
+
     # ------------------------------------------------------------------ LoRA adapters
 
     def add_lora(self, lora_request: Any) -> bool:
@@ -494,8 +582,6 @@ def _release_device_memory(device: Any) -> None:
     blocks and cuBLAS's workspaces to the device. (Host memory in cycles goes with the next collection.)"""
     if device.type != "cuda":
         return
-    import torch
-
     gc.collect()
 
     with torch.cuda.device(device):

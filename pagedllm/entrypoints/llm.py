@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
+
+import torch
 
 from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from pagedllm.config import make_engine_config
@@ -73,6 +75,8 @@ class LLM:
         max_loras: int = 1,
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
+        enable_sleep_mode: bool = False,
+        worker_extension_cls: str | None = None,
         **kwargs: Any,
     ) -> None:
         if kwargs:
@@ -122,6 +126,8 @@ class LLM:
             max_loras=max_loras,
             max_lora_rank=max_lora_rank,
             max_cpu_loras=max_cpu_loras,
+            enable_sleep_mode=enable_sleep_mode,
+            worker_extension_cls=worker_extension_cls,
         )
         self.llm_engine = LLMEngine(config)
         self._counter = itertools.count()
@@ -166,6 +172,7 @@ class LLM:
         after ``shutdown()``.
         """
         self._check_running()
+        self.llm_engine.engine_core.check_awake()
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -271,6 +278,58 @@ class LLM:
             ids = self.llm_engine.tokenizer(text, add_special_tokens=False)["input_ids"]
             prompts.append({"prompt_token_ids": ids, "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+
+    # ------------------------------------------------------------------ rollout-engine hooks (RL frameworks)
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """Run ``method`` on every rank's worker and return the results, one per rank in rank order (vLLM's
+        ``collective_rpc``). A string names a method of ``pagedllm.worker.worker.Worker`` (or of
+        ``worker_extension_cls``), called as ``worker.method(*args, **kwargs)``; a callable is called as
+        ``method(worker, *args, **kwargs)`` (sent to the other ranks with cloudpickle where installed). Arguments
+        and results cross process boundaries by pickle. ``timeout`` is accepted for vLLM's signature; calls run
+        to completion. After writing weights through a worker method, call ``reset_prefix_cache()``."""
+        self._check_running()
+        return self.llm_engine.engine_core.collective_rpc(method, args, kwargs)
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> int:
+        """Replace weights in place from tensors named and shaped as in the HF checkpoint (a trainer's
+        ``state_dict()``, all of it or part): each tensor-parallel rank takes its shard as at load time, values
+        are cast to the engine's dtype, and the prefix cache is reset. Every tensor is checked first: an unknown
+        name, a non-floating dtype or a wrong shape is a ``ValueError`` naming it, and nothing changes. Returns
+        how many tensors rank 0 took."""
+        self._check_running()
+        return self.llm_engine.engine_core.update_weights(weights)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached KV block (after a weight update the cached keys and values are stale); False when
+        requests still hold blocks."""
+        self._check_running()
+        return self.llm_engine.engine_core.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Release device memory between rollouts (needs ``enable_sleep_mode=True``): ``level=1`` moves the
+        weights to host memory and discards the KV cache; ``level=2`` discards both (write the weights again
+        with ``update_weights`` or ``collective_rpc("reload_weights")`` before generating). The prefix cache is
+        reset. ``generate`` raises ``RuntimeError`` until ``wake_up``."""
+        self._check_running()
+        self.llm_engine.engine_core.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back what ``sleep`` released: ``tags`` None (everything), ``["weights"]`` or ``["kv_cache"]``
+        (e.g. the weights first, update them, then the KV cache)."""
+        self._check_running()
+        self.llm_engine.engine_core.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        """Whether any part of the engine (weights, KV cache) is released by ``sleep``."""
+        self._check_running()
+        return self.llm_engine.engine_core.is_sleeping()
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

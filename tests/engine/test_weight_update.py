@@ -1,0 +1,119 @@
+"""Weights replaced without a restart (``LLM.update_weights``, ``collective_rpc`` to the workers) give the
+outputs of a fresh engine loaded with the new weights; refused updates change nothing; ``reset_prefix_cache``
+drops the cached blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from tests.utils import perturbed_checkpoint
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [40, 41, 42], [7, 300, 12, 99]]
+PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+ENGINE = dict(
+    device="cpu", dtype="float32", block_size=4, max_model_len=64, num_gpu_blocks_override=64, enforce_eager=True
+)
+
+
+def greedy(llm: LLM, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def new_weights(tiny_llama, tmp_path_factory) -> tuple[str, dict[str, torch.Tensor]]:
+    """(a checkpoint directory with changed weights, its state dict in HF names)."""
+    dst = tmp_path_factory.mktemp("updated") / "model"
+    return str(dst), perturbed_checkpoint(tiny_llama, dst)
+
+
+@pytest.fixture(scope="module")
+def old_tokens(tiny_llama) -> list[list[int]]:
+    with LLM(tiny_llama, **ENGINE) as llm:
+        return greedy(llm)
+
+
+@pytest.fixture(scope="module")
+def fresh_tokens(new_weights, old_tokens) -> list[list[int]]:
+    with LLM(new_weights[0], **ENGINE) as llm:
+        tokens = greedy(llm)
+    assert tokens != old_tokens, "the new weights must change the outputs for these tests to mean anything"
+    return tokens
+
+
+@pytest.fixture
+def llm(tiny_llama):
+    with LLM(tiny_llama, **ENGINE) as engine:
+        yield engine
+
+
+def test_update_from_state_dict_equals_fresh_engine(llm, new_weights, old_tokens, fresh_tokens):
+    assert greedy(llm) == old_tokens  # the prompts' blocks are now in the prefix cache
+    state = new_weights[1]
+    assert llm.update_weights(state.items()) == len(state)
+    assert greedy(llm) == fresh_tokens  # the stale cached blocks were dropped with the update
+    llm.llm_engine.check_integrity()
+
+
+def test_update_in_parts_through_collective_rpc(llm, new_weights, fresh_tokens):
+    items = list(new_weights[1].items())
+    half = len(items) // 2
+    assert llm.collective_rpc("update_weights", args=(items[:half],)) == [half]
+    assert llm.collective_rpc("update_weights", kwargs={"weights": items[half:]}) == [len(items) - half]
+    assert llm.reset_prefix_cache()
+    assert greedy(llm) == fresh_tokens
+
+
+def test_update_casts_other_float_dtypes(llm, new_weights, fresh_tokens):
+    # float64 values of float32 weights cast back exactly, as the loader casts checkpoint tensors
+    assert llm.update_weights({k: v.double() for k, v in new_weights[1].items()}) == len(new_weights[1])
+    assert greedy(llm) == fresh_tokens
+
+
+def test_refused_updates_change_nothing(llm, new_weights, old_tokens):
+    state = new_weights[1]
+    good = list(state.items())
+    q = "model.layers.0.self_attn.q_proj.weight"
+    bad_updates = {
+        "model.layers.0.self_attn.nope.weight": good + [("model.layers.0.self_attn.nope.weight", torch.zeros(4))],
+        q: good + [(q, state[q][:-1])],  # wrong shape, after every good tensor: checked before any is written
+        "model.norm.weight": good + [("model.norm.weight", state["model.norm.weight"].long())],  # not a float
+    }
+    for name, update in bad_updates.items():
+        with pytest.raises(ValueError, match=name.replace(".", r"\.")):
+            llm.update_weights(update)
+    with pytest.raises(ValueError, match="weights"):
+        llm.update_weights([("model.norm.weight", [1.0, 2.0])])
+    with pytest.raises(ValueError, match=q.replace(".", r"\.")):
+        llm.collective_rpc("check_weights", args=([(q, torch.float32, (3, 3))],))
+    assert greedy(llm) == old_tokens
+
+
+def test_collective_rpc_one_result_per_worker(llm):
+    assert llm.collective_rpc(lambda worker: worker.rank) == [0]
+    assert llm.collective_rpc(_param_count, args=("model.norm.weight",), kwargs={"scale": 2}) == [2 * 64]
+    assert llm.collective_rpc("sleeping_tags") == [[]]
+    with pytest.raises(ValueError, match="method"):
+        llm.collective_rpc("no_such_method")
+    with pytest.raises(ValueError, match="method"):
+        llm.collective_rpc("_updater")
+
+
+def _param_count(worker, name: str, scale: int = 1) -> int:
+    return scale * dict(worker.model.named_parameters())[name].numel()
+
+
+def test_reset_prefix_cache_drops_cached_blocks(llm):
+    prompt = [list(range(20, 40))]  # five full blocks of four tokens
+
+    def hits() -> int:
+        return llm.llm_engine.get_stats().prefix_cache_hits
+
+    first = greedy(llm, prompt)
+    before = hits()
+    assert greedy(llm, prompt) == first and hits() > before  # the repeated prompt hits
+    assert llm.reset_prefix_cache()
+    before = hits()
+    assert greedy(llm, prompt) == first and hits() == before  # no longer
