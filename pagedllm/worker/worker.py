@@ -170,7 +170,9 @@ def encode_method(method: str | Callable[..., Any]) -> str | bytes:
         return pickle.dumps(method)
 
 
-def run_rpc(worker: Worker, method: str | bytes | Callable[..., Any], args: Sequence[Any], kwargs: dict) -> Any:
+def run_rpc(
+    worker: Worker, method: str | bytes | Callable[..., Any], args: Sequence[Any], kwargs: dict
+) -> Any:
     """Run one ``collective_rpc`` call on ``worker``: a public method by name, or ``method(worker, ...)``."""
     if isinstance(method, bytes):
         method = pickle.loads(method)

@@ -13,7 +13,12 @@ from tests.utils import perturbed_checkpoint
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [40, 41, 42], [7, 300, 12, 99]]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 ENGINE = dict(
-    device="cpu", dtype="float32", block_size=4, max_model_len=64, num_gpu_blocks_override=64, enforce_eager=True
+    device="cpu",
+    dtype="float32",
+    block_size=4,
+    max_model_len=64,
+    num_gpu_blocks_override=64,
+    enforce_eager=True,
 )
 
 
@@ -77,7 +82,8 @@ def test_refused_updates_change_nothing(llm, new_weights, old_tokens):
     good = list(state.items())
     q = "model.layers.0.self_attn.q_proj.weight"
     bad_updates = {
-        "model.layers.0.self_attn.nope.weight": good + [("model.layers.0.self_attn.nope.weight", torch.zeros(4))],
+        "model.layers.0.self_attn.nope.weight": good
+        + [("model.layers.0.self_attn.nope.weight", torch.zeros(4))],
         q: good + [(q, state[q][:-1])],  # wrong shape, after every good tensor: checked before any is written
         "model.norm.weight": good + [("model.norm.weight", state["model.norm.weight"].long())],  # not a float
     }
