@@ -45,6 +45,16 @@ def tiny_llama(tiny_model_dirs: dict[str, str]) -> str:
     return tiny_model_dirs["llama"]
 
 
+@pytest.fixture(scope="session")
+def updated_tiny_llama(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
+    """A trainer's "new weights" for ``tiny_llama``: (a checkpoint directory holding them, their state dict in HF
+    names), every tensor changed (``tests.utils.perturbed_checkpoint``)."""
+    from tests.utils import perturbed_checkpoint
+
+    dst = tmp_path_factory.mktemp("updated") / "llama"
+    return str(dst), perturbed_checkpoint(tiny_llama, dst)
+
+
 @pytest.fixture
 def admit_while_blocks_last(monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM's admission rule, no decode headroom (``SchedulerConfig.admission_headroom_tokens`` = 0), for engines

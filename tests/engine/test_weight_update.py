@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from tests.utils import perturbed_checkpoint
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [40, 41, 42], [7, 300, 12, 99]]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -28,10 +27,8 @@ def greedy(llm: LLM, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def new_weights(tiny_llama, tmp_path_factory) -> tuple[str, dict[str, torch.Tensor]]:
-    """(a checkpoint directory with changed weights, its state dict in HF names)."""
-    dst = tmp_path_factory.mktemp("updated") / "model"
-    return str(dst), perturbed_checkpoint(tiny_llama, dst)
+def new_weights(updated_tiny_llama) -> tuple[str, dict[str, torch.Tensor]]:
+    return updated_tiny_llama
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,39 @@
+"""A trainer process for tests/distributed/test_weight_sync.py (spawned processes import it by name): rank 0 of
+the weight-update group, broadcasting a checkpoint's tensors to an engine's workers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from pagedllm.distributed.weight_sync import stateless_process_group
+
+# Broadcast first, and refused by the engine (a shape q_proj never has): the refusal must not stall the group.
+BAD_TENSOR = ("model.layers.0.self_attn.q_proj.weight", (3, 3))
+
+
+def checkpoint_tensors(path: str) -> list[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors in the order both sides go through them."""
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        state.update(load_file(f))
+    return sorted(state.items())
+
+
+def trainer_broadcast(master_port: int, world_size: int, checkpoint: str) -> None:
+    """Host the group's store, then broadcast the bad tensor and every tensor of ``checkpoint``."""
+    group = stateless_process_group("127.0.0.1", master_port, 0, world_size, backend="gloo", timeout_s=120)
+    group.broadcast(torch.zeros(BAD_TENSOR[1]), src=0)
+    for _, tensor in checkpoint_tensors(checkpoint):
+        group.broadcast(tensor.contiguous(), src=0)
+
+
+class RankProbe:
+    """A ``worker_extension_cls``: its methods join the Worker's."""
+
+    def probe(self, offset: int = 0) -> tuple[int, int]:
+        """(this rank, its TP shard of q/k/v rows + offset)."""
+        qkv = dict(self.model.named_parameters())["model.layers.0.self_attn.qkv_proj.weight"]
+        return self.rank, qkv.shape[0] + offset
