@@ -157,6 +157,17 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
         "--max-cpu-loras", type=int, default=None, help="adapters cached on the host (default: --max-loras)"
     )
     parser.add_argument(
+        "--enable-sleep-mode",
+        action="store_true",
+        help="allow releasing device memory between uses (LLM.sleep / wake_up; the server's /sleep and "
+        "/wake_up with --enable-debug-endpoints)",
+    )
+    parser.add_argument(
+        "--worker-extension-cls",
+        default=None,
+        help="module.Class whose methods join every rank's worker (collective_rpc)",
+    )
+    parser.add_argument(
         "--reasoning-parser",
         default=None,
         choices=["deepseek_r1", "qwen3"],
@@ -232,6 +243,8 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         max_loras=getattr(args, "max_loras", 1),
         max_lora_rank=getattr(args, "max_lora_rank", 16),
         max_cpu_loras=getattr(args, "max_cpu_loras", None),
+        enable_sleep_mode=getattr(args, "enable_sleep_mode", False),
+        worker_extension_cls=getattr(args, "worker_extension_cls", None),
     )
 
 

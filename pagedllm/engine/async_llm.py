@@ -26,7 +26,12 @@ from typing import Any
 from pagedllm.config import EngineConfig, make_engine_config
 from pagedllm.core.sched_output import SchedulerStats
 from pagedllm.engine.core_launch import LaunchedCore
-from pagedllm.engine.core_process import DEFAULT_ENGINE_CORE, EngineCoreClient, EngineDeadError
+from pagedllm.engine.core_process import (
+    DEFAULT_ENGINE_CORE,
+    EngineCoreClient,
+    EngineDeadError,
+    EngineSleepingError,
+)
 from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.output_processor import (
     FinishedRequestStats,
@@ -92,6 +97,7 @@ class AsyncLLM:
         self._handler_error: EngineDeadError | None = None
         self._dead_event: asyncio.Event | None = None
         self._closed = False
+        self._sleeping = False  # this front-end put the core to sleep: requests are refused until wake_up
         self.last_stats: SchedulerStats | None = None
 
         def load_tokenizer() -> None:  # while the core process loads the model
@@ -205,6 +211,8 @@ class AsyncLLM:
         """
         self._ensure_started()
         self._check_alive()
+        if self._sleeping:
+            raise EngineSleepingError("the engine is sleeping: wake it up (POST /wake_up) first")
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         if lora_request is not None and self.config.lora_config is None:
@@ -427,6 +435,40 @@ class AsyncLLM:
         self._ensure_started()
         self._check_alive()
         return await self.engine_core.call_utility_async("is_idle")
+
+    async def sleep(self, level: int = 1) -> None:
+        """Put the core to sleep (``EngineCore.sleep``: needs ``enable_sleep_mode``, an idle engine); new
+        requests are refused with ``EngineSleepingError`` from now until ``wake_up``."""
+        self._ensure_started()
+        self._check_alive()
+        was_sleeping, self._sleeping = self._sleeping, True
+        try:
+            await self.engine_core.call_utility_async("sleep", level)
+        except BaseException:
+            self._sleeping = was_sleeping or bool(await self.engine_core.call_utility_async("is_sleeping"))
+            raise
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back ``tags`` ("weights", "kv_cache"; None: both); requests run again once nothing sleeps."""
+        self._ensure_started()
+        self._check_alive()
+        try:
+            await self.engine_core.call_utility_async("wake_up", tags)
+        finally:
+            self._sleeping = bool(await self.engine_core.call_utility_async("is_sleeping"))
+
+    async def is_sleeping(self) -> bool:
+        self._ensure_started()
+        self._check_alive()
+        return bool(await self.engine_core.call_utility_async("is_sleeping"))
+
+    async def collective_rpc(
+        self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        """``EngineCore.collective_rpc`` with a method name (the core runs in another process)."""
+        self._ensure_started()
+        self._check_alive()
+        return list(await self.engine_core.call_utility_async("collective_rpc", method, tuple(args), kwargs))
 
     async def check_health(self) -> None:
         """Raise ``EngineDeadError`` if the engine is dead."""

@@ -76,6 +76,10 @@ _UTILITIES = (
     "add_lora",
     "remove_lora",
     "list_loras",
+    "sleep",
+    "wake_up",
+    "is_sleeping",
+    "collective_rpc",
 )
 
 # How long the idle core blocks on its input before checking that the API process is still alive.
@@ -84,6 +88,10 @@ _IDLE_POLL_MS = 1000
 
 class EngineDeadError(RuntimeError):
     """The engine core process is gone: every in-flight and later request fails with this."""
+
+
+class EngineSleepingError(RuntimeError):
+    """The engine sleeps (``sleep``): requests are refused until ``wake_up``."""
 
 
 def _dumps(obj: Any) -> bytes:
@@ -164,7 +172,7 @@ class _CoreLoop:
                 try:
                     self.core.add_request(req)
                     queued_times[req.request_id] = time.monotonic()
-                except ValueError as e:
+                except (ValueError, EngineSleepingError) as e:
                     errors[req.request_id] = str(e)
                 changed = True
             elif kind == "abort":

@@ -331,6 +331,10 @@ class DataParallelCoreClient:
             return any(results)
         if name in ("reset_prefix_cache", "add_lora", "is_idle"):
             return all(results)
+        if name == "is_sleeping":
+            return any(results)
+        if name == "collective_rpc":
+            return [r for rank_results in results for r in rank_results]
         return results[0]
 
     def shutdown(self, timeout_s: float = 5.0) -> None:

@@ -496,7 +496,9 @@ class EngineCore:
     def check_awake(self) -> None:
         """``RuntimeError`` while the engine sleeps: it cannot run requests."""
         if self._asleep:
-            raise RuntimeError(
+            from pagedllm.engine.core_process import EngineSleepingError
+
+            raise EngineSleepingError(
                 f"the engine is sleeping ({', '.join(sorted(self._asleep))} released): call wake_up() first"
             )
 

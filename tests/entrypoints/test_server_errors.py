@@ -168,6 +168,9 @@ def test_unknown_route(server):
     assert r.status_code == 404 and "error" in r.json()
     # Debug endpoints exist only with --enable-debug-endpoints.
     assert httpx.get(server.base_url + "/debug/integrity", headers=server.headers).status_code == 404
+    for path in ("/sleep", "/wake_up", "/reset_prefix_cache", "/collective_rpc"):
+        assert httpx.post(server.base_url + path, headers=server.headers).status_code == 404, path
+    assert httpx.get(server.base_url + "/is_sleeping", headers=server.headers).status_code == 404
 
 
 # ------------------------------------------------------------------------------------------- fuzzing

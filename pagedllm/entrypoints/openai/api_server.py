@@ -2,7 +2,9 @@
 
 Endpoints: /v1/models, /v1/completions, /v1/chat/completions, /v1/responses (and GET /v1/responses/{id}),
 /tokenize, /detokenize, /health, /version,
-/metrics, and /debug/integrity with ``--enable-debug-endpoints``. Everything but /health, /version and /metrics
+/metrics, and with ``--enable-debug-endpoints`` /debug/integrity plus vLLM's development endpoints for RL
+rollout engines (/sleep, /wake_up, /is_sleeping, /reset_prefix_cache, /collective_rpc; vLLM gates them with
+``VLLM_SERVER_DEV_MODE=1``). Everything but /health, /version and /metrics
 needs the API key when one is set (compared in constant time). Request bodies are bounded (``--max-request-body-bytes``) before any parsing.
 
 Life cycle (``serve_cli``, the command's light entry point): the port is bound first (a busy port fails fast), then
@@ -196,7 +198,8 @@ def build_app(
     ``allow_runtime_lora_updating`` adds ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``.
 
     ``enable_debug_endpoints`` adds ``GET /debug/integrity`` (behind the API key like /v1): the engine's full
-    integrity check and its request-table sizes, for soak tests and operators chasing a leak.
+    integrity check and its request-table sizes, for soak tests and operators chasing a leak; and the rollout
+    endpoints of ``_add_rollout_endpoints`` (sleep mode, prefix-cache reset, collective_rpc).
 
     ``responses_store_size``: how many stored /v1/responses results are kept (least recently used dropped first).
     """
@@ -351,6 +354,8 @@ def build_app(
             state = await asyncio.wait_for(engine.debug_state(), 30.0)
             return JSONResponse({"ok": error is None, "error": error, **state})
 
+        _add_rollout_endpoints(app, engine)
+
     _install_openapi_schemas(
         app, [CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest]
     )
@@ -358,6 +363,64 @@ def build_app(
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     return app
+
+
+async def _engine_call(call: Any, param: str | None = None) -> Any:
+    """Await an engine call for the development endpoints: ``ValueError`` is a 400 naming ``param``, any other
+    refusal (``RuntimeError``: requests still running, weights asleep) a 409."""
+    try:
+        return await call
+    except EngineDeadError:
+        raise
+    except ValueError as e:
+        raise bad_request(str(e), param) from None
+    except RuntimeError as e:
+        raise OpenAIError(str(e), status_code=409, type="conflict_error") from None
+
+
+def _add_rollout_endpoints(app: FastAPI, engine: Any) -> None:
+    """vLLM's development endpoints for RL rollout engines (``--enable-debug-endpoints`` here, as vLLM's
+    ``VLLM_SERVER_DEV_MODE=1``): ``POST /sleep?level=1|2``, ``POST /wake_up[?tags=weights&tags=kv_cache]``,
+    ``GET /is_sleeping``, ``POST /reset_prefix_cache`` and ``POST /collective_rpc`` with
+    ``{"method": name, "args": [...], "kwargs": {...}}`` (JSON in and out)."""
+
+    @app.post("/sleep")
+    async def sleep(raw_request: Request) -> Response:
+        level_text = raw_request.query_params.get("level", "1")
+        try:
+            level = int(level_text)
+        except ValueError:
+            raise bad_request(f"level must be an integer, got {level_text!r}", "level") from None
+        await _engine_call(engine.sleep(level), "level")
+        return Response(status_code=200)
+
+    @app.post("/wake_up")
+    async def wake_up(raw_request: Request) -> Response:
+        tags = raw_request.query_params.getlist("tags") or None
+        await _engine_call(engine.wake_up(tags), "tags")
+        return Response(status_code=200)
+
+    @app.get("/is_sleeping")
+    async def is_sleeping() -> JSONResponse:
+        return JSONResponse({"is_sleeping": await engine.is_sleeping()})
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        if not await engine.reset_prefix_cache():
+            raise OpenAIError("requests still hold cached blocks", status_code=409, type="conflict_error")
+        return Response(status_code=200)
+
+    @app.post("/collective_rpc")
+    async def collective_rpc(raw_request: Request) -> JSONResponse:
+        body = _json_object(await raw_request.body())
+        method = body.get("method")
+        if not isinstance(method, str) or not method:
+            raise bad_request("method (a worker method name) is required", "method")
+        args, kwargs = body.get("args") or [], body.get("kwargs") or {}
+        if not isinstance(args, list) or not isinstance(kwargs, dict):
+            raise bad_request("args must be a list and kwargs an object", "args")
+        results = await _engine_call(engine.collective_rpc(method, tuple(args), kwargs), "method")
+        return JSONResponse({"results": results})
 
 
 def _json_object(body: bytes) -> dict[str, Any]:

@@ -89,7 +89,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--enable-debug-endpoints",
         action="store_true",
-        help="serve GET /debug/integrity (the engine's integrity check and request tables; for tests)",
+        help="serve GET /debug/integrity (the engine's integrity check and request tables; for tests) and vLLM's "
+        "development endpoints for RL rollouts: /sleep, /wake_up, /is_sleeping, /reset_prefix_cache, /collective_rpc",
     )
     group.add_argument(
         "--lora-modules",

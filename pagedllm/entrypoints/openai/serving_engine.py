@@ -19,7 +19,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pagedllm.engine.async_llm import AsyncLLM, RequestStream
-from pagedllm.engine.core_process import EngineDeadError
+from pagedllm.engine.core_process import EngineDeadError, EngineSleepingError
 from pagedllm.engine.output_processor import RequestTimeline
 from pagedllm.entrypoints.openai.errors import (
     OpenAIError,
@@ -190,6 +190,8 @@ def to_openai_error(
         return exc
     if isinstance(exc, EngineDeadError):
         return engine_dead(f"the engine is not running: {exc}")
+    if isinstance(exc, EngineSleepingError):
+        return OpenAIError(str(exc), status_code=503, type="server_error", code="engine_sleeping")
     if isinstance(exc, ValueError):
         return from_value_error(exc, known_fields)
     return OpenAIError(
@@ -419,7 +421,7 @@ class OpenAIServing:
             return self.engine.add_request(
                 request_id, prompt, params, lora_request=lora_request, timeline=timeline
             )
-        except (ValueError, EngineDeadError) as e:
+        except (ValueError, EngineDeadError, EngineSleepingError) as e:
             raise to_openai_error(e, self.field_map) from None
 
     def log_timelines(self, streams: list[RequestStream], streaming: bool) -> None:

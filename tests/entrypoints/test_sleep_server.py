@@ -1,0 +1,67 @@
+"""The server's development endpoints for RL rollout engines (behind ``--enable-debug-endpoints``): /sleep,
+/wake_up, /is_sleeping, /reset_prefix_cache and /collective_rpc against a live tiny server, with httpx."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.entrypoints.server_utils import RemoteServer
+
+PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama, tmp_path_factory):
+    log_path = tmp_path_factory.mktemp("sleep_server") / "server.log"
+    srv = RemoteServer(tiny_llama, log_path, extra_args=["--enable-sleep-mode", "--enable-debug-endpoints"])
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+def client(server):
+    with httpx.Client(base_url=server.base_url, headers=server.headers, timeout=60) as c:
+        yield c
+
+
+def _model_name(client: httpx.Client) -> str:
+    return client.get("/v1/models").json()["data"][0]["id"]
+
+
+def test_sleep_wake_round_trip(client):
+    body = {"model": _model_name(client), "prompt": PROMPT, "max_tokens": 6, "temperature": 0.0}
+    before = client.post("/v1/completions", json=body)
+    assert before.status_code == 200, before.text
+    assert client.get("/is_sleeping").json() == {"is_sleeping": False}
+
+    assert client.post("/sleep", params={"level": 1}).status_code == 200
+    assert client.get("/is_sleeping").json() == {"is_sleeping": True}
+    refused = client.post("/v1/completions", json=body)
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_sleeping"
+
+    assert client.post("/wake_up", params={"tags": "kv_cache"}).status_code == 200
+    assert client.get("/is_sleeping").json() == {"is_sleeping": True}  # the weights still sleep
+    assert client.post("/wake_up", params={"tags": "weights"}).status_code == 200
+    assert client.get("/is_sleeping").json() == {"is_sleeping": False}
+    after = client.post("/v1/completions", json=body)
+    assert after.status_code == 200
+    assert after.json()["choices"][0]["text"] == before.json()["choices"][0]["text"]
+
+
+def test_refusals(client):
+    bad_level = client.post("/sleep", params={"level": 5})
+    assert bad_level.status_code == 400 and bad_level.json()["error"]["param"] == "level"
+    assert client.post("/sleep", params={"level": "deep"}).status_code == 400
+    bad_tags = client.post("/wake_up", params={"tags": "everything"})
+    assert bad_tags.status_code == 400 and bad_tags.json()["error"]["param"] == "tags"
+    assert client.get("/is_sleeping").json() == {"is_sleeping": False}
+    bad_method = client.post("/collective_rpc", json={"method": "no_such_method"})
+    assert bad_method.status_code == 400 and bad_method.json()["error"]["param"] == "method"
+
+
+def test_collective_rpc_and_reset_prefix_cache(client):
+    assert client.post("/collective_rpc", json={"method": "sleeping_tags"}).json() == {"results": [[]]}
+    assert client.post("/reset_prefix_cache").status_code == 200
