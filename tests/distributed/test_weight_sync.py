@@ -109,3 +109,24 @@ def test_broadcast_from_trainer_process(tp_llm, updated_tiny_llama, old_tokens, 
         if trainer.is_alive():
             trainer.kill()
             trainer.join()
+
+
+def test_pipeline_parallel_update_and_sleep(tiny_llama, updated_tiny_llama, old_tokens, fresh_tokens):
+    """Each stage takes the tensors of its own layers and skips the others'; a name no stage holds is refused
+    before any stage writes."""
+    with LLM(tiny_llama, pipeline_parallel_size=2, enable_sleep_mode=True, **ENGINE) as llm:
+        assert greedy(llm) == old_tokens
+        state = updated_tiny_llama[1]
+        bogus = "model.layers.1.mlp.bogus.weight"  # under the second stage's layer: only that stage can tell
+        with pytest.raises(ValueError, match=r"rank 1: .*bogus"):
+            llm.update_weights(list(state.items()) + [(bogus, state["model.norm.weight"])])
+        assert greedy(llm) == old_tokens
+        counts = llm.collective_rpc(
+            "check_weights", args=([(n, t.dtype, tuple(t.shape)) for n, t in state.items()],)
+        )
+        assert counts == [None, None]
+        llm.update_weights(state)
+        assert greedy(llm) == fresh_tokens
+        llm.sleep(level=1)
+        llm.wake_up()
+        assert greedy(llm) == fresh_tokens

@@ -120,3 +120,15 @@ def test_reset_prefix_cache_drops_cached_blocks(llm):
     assert llm.reset_prefix_cache()
     before = hits()
     assert greedy(llm, prompt) == first and hits() == before  # no longer
+
+
+def test_data_parallel_update_reaches_every_engine(tiny_llama, new_weights, old_tokens, fresh_tokens):
+    with LLM(tiny_llama, data_parallel_size=2, enable_sleep_mode=True, **ENGINE) as dp:
+        assert dp.collective_rpc(lambda worker: worker.rank) == [0, 0]  # one engine per data-parallel rank
+        assert greedy(dp) == old_tokens
+        dp.update_weights(new_weights[1])
+        assert greedy(dp, PROMPTS * 2) == fresh_tokens * 2  # both engines serve
+        dp.sleep(level=1)
+        assert dp.is_sleeping()
+        dp.wake_up()
+        assert greedy(dp, PROMPTS * 2) == fresh_tokens * 2
