@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from pagedllm.config import EngineConfig, make_engine_config
@@ -136,6 +136,38 @@ class LLMEngine:
     def list_loras(self) -> set[int]:
         self._check_running()
         return self.engine_core.list_loras()
+
+    # Rollout-engine hooks, also reached as ``llm.llm_engine.*`` by RL frameworks (see ``LLM``).
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        self._check_running()
+        return self.engine_core.collective_rpc(method, args, kwargs)
+
+    def update_weights(self, weights: Any) -> int:
+        self._check_running()
+        return self.engine_core.update_weights(weights)
+
+    def reset_prefix_cache(self) -> bool:
+        self._check_running()
+        return self.engine_core.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        self._check_running()
+        self.engine_core.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self._check_running()
+        self.engine_core.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        self._check_running()
+        return self.engine_core.is_sleeping()
 
     @property
     def is_shut_down(self) -> bool:

@@ -294,8 +294,7 @@ class LLM:
         ``method(worker, *args, **kwargs)`` (sent to the other ranks with cloudpickle where installed). Arguments
         and results cross process boundaries by pickle. ``timeout`` is accepted for vLLM's signature; calls run
         to completion. After writing weights through a worker method, call ``reset_prefix_cache()``."""
-        self._check_running()
-        return self.llm_engine.engine_core.collective_rpc(method, args, kwargs)
+        return self.llm_engine.collective_rpc(method, timeout, args, kwargs)
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> int:
         """Replace weights in place from tensors named and shaped as in the HF checkpoint (a trainer's
@@ -303,33 +302,28 @@ class LLM:
         are cast to the engine's dtype, and the prefix cache is reset. Every tensor is checked first: an unknown
         name, a non-floating dtype or a wrong shape is a ``ValueError`` naming it, and nothing changes. Returns
         how many tensors rank 0 took."""
-        self._check_running()
-        return self.llm_engine.engine_core.update_weights(weights)
+        return self.llm_engine.update_weights(weights)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached KV block (after a weight update the cached keys and values are stale); False when
         requests still hold blocks."""
-        self._check_running()
-        return self.llm_engine.engine_core.reset_prefix_cache()
+        return self.llm_engine.reset_prefix_cache()
 
     def sleep(self, level: int = 1) -> None:
         """Release device memory between rollouts (needs ``enable_sleep_mode=True``): ``level=1`` moves the
         weights to host memory and discards the KV cache; ``level=2`` discards both (write the weights again
         with ``update_weights`` or ``collective_rpc("reload_weights")`` before generating). The prefix cache is
         reset. ``generate`` raises ``RuntimeError`` until ``wake_up``."""
-        self._check_running()
-        self.llm_engine.engine_core.sleep(level)
+        self.llm_engine.sleep(level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Bring back what ``sleep`` released: ``tags`` None (everything), ``["weights"]`` or ``["kv_cache"]``
         (e.g. the weights first, update them, then the KV cache)."""
-        self._check_running()
-        self.llm_engine.engine_core.wake_up(tags)
+        self.llm_engine.wake_up(tags)
 
     def is_sleeping(self) -> bool:
         """Whether any part of the engine (weights, KV cache) is released by ``sleep``."""
-        self._check_running()
-        return self.llm_engine.engine_core.is_sleeping()
+        return self.llm_engine.is_sleeping()
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -18,6 +18,7 @@ tensors and cannot run twice.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -89,11 +90,11 @@ class WeightUpdater:
                 raise ValueError(f"{ckpt_name!r} (parameter {canonical!r}): {e}") from None
 
     @torch.no_grad()
-    def apply(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Write checked tensors into the model, then redo the post-load step of the layers written; returns how
-        many tensors this rank took."""
+    def apply(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+        """Write checked tensors into the model, then redo the post-load step of the layers written; returns the
+        parameter each tensor this rank took went to (one entry per tensor)."""
         touched: dict[int, nn.Module] = {}
-        num_loaded = 0
+        written: list[str] = []
         for ckpt_name, tensor in weights:
             target = self._resolve(ckpt_name)
             if target is None:
@@ -101,18 +102,36 @@ class WeightUpdater:
             canonical, shard_id = target
             param = self.params[canonical]
             load_tensor(param, param, tensor, shard_id)
-            num_loaded += 1
+            written.append(canonical)
             for owner in self.owners[canonical]:
                 touched[id(owner)] = owner
         for module in touched.values():
             redo_post_load(module)
-        return num_loaded
+        return written
 
-    def update(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """``check`` every tensor, then ``apply`` them all: a refused update changes nothing."""
+    def update(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+        """``check`` every tensor, then ``apply`` them all: a refused update changes nothing. Returns ``apply``'s
+        list."""
         weights = check_pairs(weights)
         self.check((name, t.dtype, tuple(t.shape)) for name, t in weights)
         return self.apply(weights)
+
+
+def attach_load_weights(model: nn.Module, quantized: bool = False) -> None:
+    """Give ``model`` vLLM's ``model.load_weights(weights) -> set[str]`` (what RL frameworks' worker extensions
+    call as ``self.model_runner.model.load_weights(weights=[(name, tensor)])``): a checked in-place update
+    (``WeightUpdater.update``) returning the parameter names written. The model is held weakly (no cycle)."""
+    if "load_weights" in vars(model):
+        return
+    model_ref = weakref.ref(model)
+
+    def load_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        target = model_ref()
+        if target is None:
+            raise RuntimeError("the model was released")
+        return set(WeightUpdater(target, quantized).update(weights))
+
+    model.load_weights = load_weights
 
 
 def check_pairs(weights: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from pagedllm.worker.sleep_mode import SleepState
-from pagedllm.worker.weight_update import WeightSpec, WeightUpdater, parse_dtype
+from pagedllm.worker.weight_update import WeightSpec, WeightUpdater, attach_load_weights, parse_dtype
 
 
 class Worker:
@@ -42,6 +42,8 @@ class Worker:
         self.sleep_state = SleepState(model_runner)
         self.weight_update_group: Any = None
         self._updater: WeightUpdater | None = None
+        quantized = model_runner.config.model_config.quant_config is not None
+        attach_load_weights(self.model, quantized)  # vLLM's model.load_weights, for worker extensions
 
     @property
     def model(self) -> torch.nn.Module:
@@ -68,19 +70,20 @@ class Worker:
         """Check every ``(checkpoint name, full tensor)`` pair, then write them all; returns how many this rank
         holds. A refused update (``ValueError``) writes nothing."""
         self._check_weights_awake()
-        return self.updater.update(weights)
+        return len(self.updater.update(weights))
 
     def apply_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Write pairs ``check_weights`` accepted (on every rank, before any writes: ``LLM.update_weights``)."""
         self._check_weights_awake()
-        return self.updater.apply(weights)
+        return len(self.updater.apply(weights))
 
     def reload_weights(self) -> int:
         """Write the whole checkpoint the engine was started from again (vLLM's ``reload_weights``)."""
         from pagedllm.model_loader import iter_safetensors
 
         self._check_weights_awake()
-        return self.updater.update(iter_safetensors(self.model_runner.config.model_config.model_path))
+        path = self.model_runner.config.model_config.model_path
+        return len(self.updater.update(iter_safetensors(path)))
 
     # ------------------------------------------------------------------ weights broadcast by a trainer
 

@@ -37,3 +37,7 @@ class RankProbe:
         """(this rank, its TP shard of q/k/v rows + offset)."""
         qkv = dict(self.model.named_parameters())["model.layers.0.self_attn.qkv_proj.weight"]
         return self.rank, qkv.shape[0] + offset
+
+    def load_named(self, name: str, tensor: torch.Tensor) -> list[str]:
+        """What RL frameworks' extensions do: ``self.model_runner.model.load_weights(weights=[(name, tensor)])``."""
+        return sorted(self.model_runner.model.load_weights(weights=[(name, tensor)]))

@@ -132,3 +132,19 @@ def test_data_parallel_update_reaches_every_engine(tiny_llama, new_weights, old_
         assert dp.is_sleeping()
         dp.wake_up()
         assert greedy(dp, PROMPTS * 2) == fresh_tokens * 2
+
+
+def test_worker_extension_loads_through_model_load_weights(tiny_llama, new_weights, fresh_tokens):
+    extension = "tests.distributed.rl_workers.RankProbe"
+    with LLM(tiny_llama, worker_extension_cls=extension, **ENGINE) as llm:
+        for name, tensor in new_weights[1].items():
+            llm.collective_rpc("load_named", args=(name, tensor))
+        k = "model.layers.0.self_attn.k_proj.weight"
+        written = llm.collective_rpc("load_named", args=(k, new_weights[1][k]))
+        assert written == [["model.layers.0.self_attn.qkv_proj.weight"]]
+        with pytest.raises(ValueError, match="nope"):
+            llm.collective_rpc("load_named", args=("model.nope.weight", new_weights[1][k]))
+        assert llm.reset_prefix_cache()
+        assert greedy(llm) == fresh_tokens
+    with pytest.raises(ValueError, match="worker_extension_cls"):
+        LLM(tiny_llama, worker_extension_cls="tests.nowhere.Nothing", **ENGINE)
