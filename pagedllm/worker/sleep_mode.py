@@ -62,8 +62,8 @@ def _release(storages: list[torch.UntypedStorage], keep: bool) -> list[_Sleeping
             backup = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
             backup.copy_(_byte_view(storage, nbytes))
         out.append(_SleepingStorage(storage, nbytes, backup))
-    if any(s.storage.device.type == "cuda" for s in out):
-        torch.cuda.synchronize()  # the copies are done before the memory goes
+    for device in {s.storage.device for s in out if s.storage.device.type == "cuda"}:
+        torch.cuda.synchronize(device)  # the copies are done before the memory goes
     for s in out:
         s.storage.resize_(0)
     return out

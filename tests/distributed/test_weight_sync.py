@@ -28,8 +28,47 @@ def fresh_tokens(updated_tiny_llama, old_tokens) -> list[list[int]]:
     return tokens
 
 
+def test_pipeline_parallel_update_and_sleep(tiny_llama, updated_tiny_llama, old_tokens, fresh_tokens):
+    """Each stage takes the tensors of its own layers and skips the others'; a name no stage holds is refused
+    before any stage writes."""
+    with LLM(tiny_llama, pipeline_parallel_size=2, enable_sleep_mode=True, **ENGINE) as llm:
+        assert greedy(llm) == old_tokens
+        state = updated_tiny_llama[1]
+        bogus = "model.layers.1.mlp.bogus.weight"  # under the second stage's layer: only that stage can tell
+        with pytest.raises(ValueError, match=r"rank 1: .*bogus"):
+            llm.update_weights(list(state.items()) + [(bogus, state["model.norm.weight"])])
+        assert greedy(llm) == old_tokens
+        counts = llm.collective_rpc(
+            "check_weights", args=([(n, t.dtype, tuple(t.shape)) for n, t in state.items()],)
+        )
+        assert counts == [None, None]
+        llm.update_weights(state)
+        assert greedy(llm) == fresh_tokens
+        llm.sleep(level=1)
+        llm.wake_up()
+        assert greedy(llm) == fresh_tokens
+
+
+def test_async_scheduling_sleep_and_update(tiny_llama, updated_tiny_llama, old_tokens, fresh_tokens):
+    """With async scheduling the workers get each step's tokens with the next launch: sleeping, waking and
+    writing weights in between keep every rank's batch in step."""
+    state = updated_tiny_llama[1]
+    with LLM(
+        tiny_llama, tensor_parallel_size=2, async_scheduling=True, enable_sleep_mode=True, **ENGINE
+    ) as llm:
+        assert greedy(llm) == old_tokens
+        llm.sleep(level=2)
+        llm.wake_up(tags=["weights"])
+        llm.update_weights(state)
+        llm.wake_up(tags=["kv_cache"])
+        assert greedy(llm) == fresh_tokens
+        llm.llm_engine.engine_core.runner.check_batches()
+
+
 @pytest.fixture(scope="module")
 def tp_llm(tiny_llama):
+    """One TP=2 engine for the tests below it (a process joins one torch.distributed group at a time: the tests
+    above start and end their own engines first)."""
     with LLM(
         tiny_llama,
         tensor_parallel_size=2,
@@ -109,24 +148,3 @@ def test_broadcast_from_trainer_process(tp_llm, updated_tiny_llama, old_tokens, 
         if trainer.is_alive():
             trainer.kill()
             trainer.join()
-
-
-def test_pipeline_parallel_update_and_sleep(tiny_llama, updated_tiny_llama, old_tokens, fresh_tokens):
-    """Each stage takes the tensors of its own layers and skips the others'; a name no stage holds is refused
-    before any stage writes."""
-    with LLM(tiny_llama, pipeline_parallel_size=2, enable_sleep_mode=True, **ENGINE) as llm:
-        assert greedy(llm) == old_tokens
-        state = updated_tiny_llama[1]
-        bogus = "model.layers.1.mlp.bogus.weight"  # under the second stage's layer: only that stage can tell
-        with pytest.raises(ValueError, match=r"rank 1: .*bogus"):
-            llm.update_weights(list(state.items()) + [(bogus, state["model.norm.weight"])])
-        assert greedy(llm) == old_tokens
-        counts = llm.collective_rpc(
-            "check_weights", args=([(n, t.dtype, tuple(t.shape)) for n, t in state.items()],)
-        )
-        assert counts == [None, None]
-        llm.update_weights(state)
-        assert greedy(llm) == fresh_tokens
-        llm.sleep(level=1)
-        llm.wake_up()
-        assert greedy(llm) == fresh_tokens
