@@ -105,3 +105,28 @@ def test_refusals(sleepy, tiny_llama):
             speculative_config={"method": "ngram", "num_speculative_tokens": 2},
             **ENGINE,
         )
+
+
+@pytest.mark.gpu
+def test_gpu_sleep_returns_device_memory_and_wakes_with_graphs(tiny_llama):
+    import torch
+
+    kv_bytes = 256 * 2**20
+    with LLM(
+        tiny_llama,
+        dtype="bfloat16",
+        device="cuda",
+        kv_cache_memory_bytes=kv_bytes,
+        max_model_len=256,
+        enable_sleep_mode=True,
+    ) as llm:
+        runner = llm.llm_engine.engine_core.runner
+        reference = greedy(llm)
+        assert runner.graph_runner is not None
+        held = torch.cuda.memory_reserved()
+        llm.sleep(level=1)
+        assert runner.graph_runner is None
+        assert torch.cuda.memory_reserved() < held - kv_bytes * 3 // 4  # handed back to the driver
+        llm.wake_up()
+        assert runner.graph_runner is not None  # captured again over the memory's new addresses
+        assert greedy(llm) == reference
