@@ -21,6 +21,7 @@ from __future__ import annotations
 import gc
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -93,7 +94,8 @@ def empty_device_cache(device: torch.device) -> None:
 class SleepState:
     """One runner's sleep bookkeeping: what is asleep and how to bring it back."""
 
-    def __init__(self, runner) -> None:
+    def __init__(self, runner: Any) -> None:
+        """``runner``: the rank's ``ModelRunner``."""
         self.runner = runner
         self.asleep: set[str] = set()
         self._weights: list[_SleepingStorage] = []
@@ -142,6 +144,8 @@ class SleepState:
                 m.packed_weight = pack_weight(m.weight)
             self._weights, self._buffers, self._packed = [], [], []
             self.asleep.discard("weights")
+            if self.weights_discarded:
+                logger.info("weights back after sleep level 2: their values are undefined until written")
         if "kv_cache" in tags and "kv_cache" in self.asleep:
             _restore(self._kv, zero=True)
             self._kv = []

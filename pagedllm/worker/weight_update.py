@@ -32,11 +32,16 @@ from pagedllm.model_loader import _IGNORED_SUFFIXES, _map_name, _owned_by, _para
 WeightSpec = tuple[str, torch.dtype, Sequence[int]]  # (checkpoint name, dtype, full checkpoint shape)
 
 
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64"}
+
+
 def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    """``torch.bfloat16`` from itself, ``"bfloat16"`` or ``"torch.bfloat16"``; ``ValueError`` naming ``dtype``."""
+    """``torch.bfloat16`` from itself, ``"bfloat16"``, ``"torch.bfloat16"`` or ``"bf16"``; ``ValueError`` naming
+    ``dtype``."""
     if isinstance(dtype, torch.dtype):
         return dtype
-    found = getattr(torch, str(dtype).removeprefix("torch."), None)
+    name = str(dtype).removeprefix("torch.")
+    found = getattr(torch, _DTYPE_ALIASES.get(name, name), None)
     if not isinstance(found, torch.dtype):
         raise ValueError(f"dtype: {dtype!r} is not a torch dtype")
     return found
