@@ -603,6 +603,7 @@ class MultiprocRunner:
             return
         self._stopped = True
         runner = self.runner
+        self.worker = None  # it holds the runner and the parameters
         orderly = self._num_open == 0 and self._launcher.alive()
         try:
             if orderly:

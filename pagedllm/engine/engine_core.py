@@ -562,6 +562,7 @@ class EngineCore:
         if self._cpu_threads is not None:
             self._cpu_threads.release()
         runner, self.runner = self.runner, None
+        self._worker = None  # it holds the runner and the parameters
         proposer, self.proposer = self.proposer, None
         structured, self.structured = self.structured, None
         device = runner.device

@@ -51,7 +51,8 @@ class WeightUpdater:
     """Checks and applies named-tensor updates to one rank's ``model`` (see the module docstring)."""
 
     def __init__(self, model: nn.Module, quantized: bool = False) -> None:
-        self.model = model
+        # Holds the parameters and the modules below ``model``, not ``model`` itself: kept in the model's own
+        # ``load_weights`` (attach_load_weights), a reference back would make a cycle.
         self.quantized = quantized
         self.params, self.aliases = _param_aliases(model)
         self.packed = getattr(model, "packed_modules_mapping", {})
@@ -129,12 +130,15 @@ def attach_load_weights(model: nn.Module, quantized: bool = False) -> None:
     if "load_weights" in vars(model):
         return
     model_ref = weakref.ref(model)
+    updaters: list[WeightUpdater] = []  # made at the first call, then reused (extensions call it per tensor)
 
     def load_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        target = model_ref()
-        if target is None:
-            raise RuntimeError("the model was released")
-        return set(WeightUpdater(target, quantized).update(weights))
+        if not updaters:
+            target = model_ref()
+            if target is None:
+                raise RuntimeError("the model was released")
+            updaters.append(WeightUpdater(target, quantized))
+        return set(updaters[0].update(weights))
 
     model.load_weights = load_weights
 

@@ -148,3 +148,20 @@ def test_worker_extension_loads_through_model_load_weights(tiny_llama, new_weigh
         assert greedy(llm) == fresh_tokens
     with pytest.raises(ValueError, match="worker_extension_cls"):
         LLM(tiny_llama, worker_extension_cls="tests.nowhere.Nothing", **ENGINE)
+
+
+def test_shutdown_releases_the_weights_after_updates(tiny_llama, new_weights):
+    import gc
+    import weakref
+
+    llm = LLM(tiny_llama, enable_sleep_mode=True, **ENGINE)
+    llm.update_weights(new_weights[1])
+    k = "model.layers.0.self_attn.k_proj.weight"
+    llm.collective_rpc(lambda worker: worker.model.load_weights([(k, new_weights[1][k])]))
+    llm.sleep(level=1)
+    llm.wake_up()
+    model = weakref.ref(llm.llm_engine.engine_core.runner.model)
+    param = weakref.ref(next(model().parameters()))
+    llm.shutdown()
+    gc.collect()
+    assert model() is None and param() is None

@@ -65,3 +65,22 @@ def test_refusals(client):
 def test_collective_rpc_and_reset_prefix_cache(client):
     assert client.post("/collective_rpc", json={"method": "sleeping_tags"}).json() == {"results": [[]]}
     assert client.post("/reset_prefix_cache").status_code == 200
+
+
+def test_sleep_refused_while_a_request_runs(client):
+    body = {
+        "model": _model_name(client),
+        "prompt": PROMPT,
+        "max_tokens": 480,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with client.stream("POST", "/v1/completions", json=body) as stream:
+        first = next(line for line in stream.iter_lines() if line.startswith("data: "))
+        assert "choices" in first  # the request runs
+        refused = client.post("/sleep", params={"level": 1})
+        assert refused.status_code == 409, refused.text
+    assert client.get("/is_sleeping").json() == {"is_sleeping": False}
+    body.update(stream=False, max_tokens=4)
+    assert client.post("/v1/completions", json=body).status_code == 200  # new requests still run
