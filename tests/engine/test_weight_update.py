@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from tests.utils import perturbed_checkpoint
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [40, 41, 42], [7, 300, 12, 99]]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -165,3 +166,21 @@ def test_shutdown_releases_the_weights_after_updates(tiny_llama, new_weights):
     llm.shutdown()
     gc.collect()
     assert model() is None and param() is None
+
+
+@pytest.mark.parametrize("arch", ["phi3", "gemma", "qwen2", "qwen3_moe"])
+def test_update_other_families(tiny_model_dirs, arch, tmp_path):
+    """A fused q/k/v checkpoint (phi3), tied embeddings (gemma), q/k/v biases (qwen2), experts (qwen3_moe)."""
+    if arch == "qwen3_moe":
+        from tests.models.test_moe import make_tiny_moe
+
+        path = make_tiny_moe(arch, tmp_path / "moe", seed=7)
+    else:
+        path = tiny_model_dirs[arch]
+    state = perturbed_checkpoint(path, tmp_path / arch)
+    with LLM(str(tmp_path / arch), **ENGINE) as fresh:
+        expected = greedy(fresh)
+    with LLM(path, **ENGINE) as llm:
+        assert greedy(llm) != expected
+        assert llm.update_weights(state) == len(state)
+        assert greedy(llm) == expected
