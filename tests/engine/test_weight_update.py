@@ -184,3 +184,13 @@ def test_update_other_families(tiny_model_dirs, arch, tmp_path):
         assert greedy(llm) != expected
         assert llm.update_weights(state) == len(state)
         assert greedy(llm) == expected
+
+
+def test_quantized_models_refuse_updates_but_sleep(tiny_llama):
+    with LLM(tiny_llama, quantization="fp8", enable_sleep_mode=True, **ENGINE) as llm:
+        before = greedy(llm)
+        with pytest.raises(ValueError, match="quantization"):
+            llm.update_weights([("model.norm.weight", torch.ones(64))])
+        llm.sleep(level=1)
+        llm.wake_up()
+        assert greedy(llm) == before
