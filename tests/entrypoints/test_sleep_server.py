@@ -1,12 +1,15 @@
-"""The server's development endpoints for RL rollout engines (behind ``--enable-debug-endpoints``): /sleep,
-/wake_up, /is_sleeping, /reset_prefix_cache and /collective_rpc against a live tiny server, with httpx."""
+"""The server's development endpoints for RL rollout engines (behind ``--enable-debug-endpoints`` or vLLM's
+``VLLM_SERVER_DEV_MODE=1``): /sleep, /wake_up, /is_sleeping, /reset_prefix_cache and /collective_rpc against a
+live tiny server, with httpx."""
 
 from __future__ import annotations
+
+import os
 
 import httpx
 import pytest
 
-from tests.entrypoints.server_utils import RemoteServer
+from tests.entrypoints.server_utils import REPO_ROOT, RemoteServer
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 
@@ -14,7 +17,10 @@ PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("sleep_server") / "server.log"
-    srv = RemoteServer(tiny_llama, log_path, extra_args=["--enable-sleep-mode", "--enable-debug-endpoints"])
+    # vLLM's switch for these endpoints; --enable-debug-endpoints is the same (tests/entrypoints/test_soak.py)
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    srv = RemoteServer(tiny_llama, log_path, extra_args=["--enable-sleep-mode"], env=env)
     try:
         yield srv
     finally:

@@ -3,8 +3,8 @@
 Endpoints: /v1/models, /v1/completions, /v1/chat/completions, /v1/responses (and GET /v1/responses/{id}),
 /tokenize, /detokenize, /health, /version,
 /metrics, and with ``--enable-debug-endpoints`` /debug/integrity plus vLLM's development endpoints for RL
-rollout engines (/sleep, /wake_up, /is_sleeping, /reset_prefix_cache, /collective_rpc; vLLM gates them with
-``VLLM_SERVER_DEV_MODE=1``). Everything but /health, /version and /metrics
+rollout engines (/sleep, /wake_up, /is_sleeping, /reset_prefix_cache, /collective_rpc); vLLM's
+``VLLM_SERVER_DEV_MODE=1`` turns them on too. Everything but /health, /version and /metrics
 needs the API key when one is set (compared in constant time). Request bodies are bounded (``--max-request-body-bytes``) before any parsing.
 
 Life cycle (``serve_cli``, the command's light entry point): the port is bound first (a busy port fails fast), then
@@ -22,6 +22,7 @@ import asyncio
 import hashlib
 import hmac
 import logging
+import os
 import socket
 import time
 from typing import Any
@@ -365,6 +366,14 @@ def build_app(
     return app
 
 
+SERVER_DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"  # vLLM's switch for the same endpoints
+
+
+def server_dev_mode_from_env() -> bool:
+    """``VLLM_SERVER_DEV_MODE=1``: the development endpoints, as ``--enable-debug-endpoints``."""
+    return os.environ.get(SERVER_DEV_MODE_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
 async def _engine_call(call: Any, param: str | None = None) -> Any:
     """Await an engine call for the development endpoints: ``ValueError`` is a 400 naming ``param``, any other
     refusal (``RuntimeError``: requests still running, weights asleep) a 409."""
@@ -494,7 +503,7 @@ async def run_server(
             chat_template=chat_template,
             max_request_body_bytes=args.max_request_body_bytes,
             metrics=metrics,
-            enable_debug_endpoints=args.enable_debug_endpoints,
+            enable_debug_endpoints=args.enable_debug_endpoints or server_dev_mode_from_env(),
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,
