@@ -463,12 +463,16 @@ class AsyncLLM:
         return bool(await self.engine_core.call_utility_async("is_sleeping"))
 
     async def collective_rpc(
-        self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None
+        self, method: str | Callable[..., Any], args: tuple = (), kwargs: dict[str, Any] | None = None
     ) -> list[Any]:
-        """``EngineCore.collective_rpc`` with a method name (the core runs in another process)."""
+        """``EngineCore.collective_rpc`` in the core process: one result per rank. A callable is sent pickled
+        (``pagedllm.worker.worker.encode_method``)."""
+        from pagedllm.worker.worker import encode_method
+
         self._ensure_started()
         self._check_alive()
-        return list(await self.engine_core.call_utility_async("collective_rpc", method, tuple(args), kwargs))
+        payload = encode_method(method)
+        return list(await self.engine_core.call_utility_async("collective_rpc", payload, tuple(args), kwargs))
 
     async def check_health(self) -> None:
         """Raise ``EngineDeadError`` if the engine is dead."""

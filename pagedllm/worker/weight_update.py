@@ -61,8 +61,10 @@ class WeightUpdater:
         modules = dict(model.named_modules())
         self.owners: dict[str, list[nn.Module]] = {}  # canonical name -> modules holding it (tied: several)
         for name, _ in model.named_parameters(remove_duplicate=False):
-            owner = modules[name.rpartition(".")[0]]
-            self.owners.setdefault(self.aliases[name], []).append(owner)
+            owner_name = name.rpartition(".")[0]
+            owners = self.owners.setdefault(self.aliases[name], [])
+            if owner_name:  # (a parameter of the root itself has no post-load step)
+                owners.append(modules[owner_name])
 
     def _resolve(self, ckpt_name: str) -> tuple[str, int | None] | None:
         """(canonical parameter, shard or None) for checkpoint name ``ckpt_name``; None when this rank does not

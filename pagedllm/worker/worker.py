@@ -158,10 +158,10 @@ def load_extension_class(path: str) -> type:
     return cls
 
 
-def encode_method(method: str | Callable[..., Any]) -> str | bytes:
+def encode_method(method: str | bytes | Callable[..., Any]) -> str | bytes:
     """What crosses to the other ranks: a method name as is, a callable pickled (by value with cloudpickle when
-    installed, so lambdas and closures work; else by reference)."""
-    if isinstance(method, str):
+    installed, so lambdas and closures work; else by reference); bytes are a callable pickled already."""
+    if isinstance(method, (str, bytes)):
         return method
     if not callable(method):
         raise ValueError(f"method: expected a method name or a callable, got {type(method).__name__}")
