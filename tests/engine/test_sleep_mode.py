@@ -107,6 +107,14 @@ def test_refusals(sleepy, tiny_llama):
         )
 
 
+def test_shutdown_while_asleep(tiny_llama):
+    llm = LLM(tiny_llama, enable_sleep_mode=True, **ENGINE)
+    llm.sleep(level=2)
+    llm.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.wake_up()
+
+
 @pytest.mark.gpu
 def test_gpu_sleep_returns_device_memory_and_wakes_with_graphs(tiny_llama):
     import torch
