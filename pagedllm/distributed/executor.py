@@ -225,10 +225,14 @@ def _process_main(main: Any, *args: Any) -> None:
 def _rpc_outcome(worker: Any, method: Any, args: Any, kwargs: dict) -> tuple[bool, Any]:
     """``(True, result)`` of one ``collective_rpc`` call on this rank, or ``(False, (exception type name,
     message))`` when it raised (gathered to rank 0, which raises it)."""
+    import pickle
+
     from pagedllm.worker.worker import run_rpc
 
     try:
-        return True, run_rpc(worker, method, args, kwargs)
+        result = run_rpc(worker, method, args, kwargs)
+        pickle.dumps(result)  # a result that cannot cross must not break the gather every rank is in
+        return True, result
     except Exception as e:  # noqa: BLE001 - reported to rank 0
         return False, (type(e).__name__, str(e))
 
