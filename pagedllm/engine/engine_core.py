@@ -465,8 +465,10 @@ class EngineCore:
         if self.has_unfinished_requests():
             raise RuntimeError("cannot sleep while requests are unfinished")
         self.reset_prefix_cache()
-        self.collective_rpc("sleep", (level,))
-        self._asleep = {"weights", "kv_cache"}
+        try:
+            self.collective_rpc("sleep", (level,))
+        finally:  # even when a rank failed part way: wake_up brings back whatever each rank released
+            self._asleep = {"weights", "kv_cache"}
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Bring back ``tags`` ("weights", "kv_cache"; None: both) on every rank. Once both are back, CUDA graphs
