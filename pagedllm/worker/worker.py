@@ -16,7 +16,10 @@ Methods for rollout engines:
     sleep(level) / wake_up(tags)   worker/sleep_mode.py (the engine core calls them; use ``LLM.sleep``)
 
 The engine core's prefix cache is not reset by worker calls: after writing weights this way, call
-``LLM.reset_prefix_cache()`` (``LLM.update_weights`` does it itself).
+``LLM.reset_prefix_cache()`` (``LLM.update_weights`` does it itself). Each rank checks only what it holds before
+writing: under pipeline parallelism a name only another stage can refuse may leave the stages that accepted it
+written; ``LLM.update_weights`` checks on every rank first. ``init_weight_update_group`` and ``update_weight``
+block until the trainer joins or broadcasts, so the trainer runs in another process (or thread).
 """
 
 from __future__ import annotations
