@@ -374,3 +374,19 @@ def perturbed_checkpoint(src: str | Path, dst: str | Path, seed: int = 1, scale:
             state[name] = (w + scale * w.abs().mean() * noise).contiguous()
     save_file(state, dst / "model.safetensors")
     return state
+
+
+# The rollout-hook tests' small CPU engine and prompts (tests/engine/test_weight_update.py and its neighbours).
+ROLLOUT_PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [40, 41, 42], [7, 300, 12, 99]]
+ROLLOUT_ENGINE = dict(
+    device="cpu", dtype="float32", block_size=4, max_model_len=64, num_gpu_blocks_override=64, enforce_eager=True
+)
+
+
+def greedy_ids(llm, prompts: list[list[int]] = ROLLOUT_PROMPTS, max_tokens: int = 8) -> list[list[int]]:
+    """Each prompt's greedy continuation (``max_tokens`` ids, EOS ignored) from an ``LLM``."""
+    from pagedllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]

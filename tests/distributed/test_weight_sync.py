@@ -10,8 +10,9 @@ import pytest
 
 from pagedllm import LLM
 from tests.distributed.rl_workers import BAD_TENSOR, checkpoint_tensors, trainer_broadcast
-from tests.engine.test_weight_update import ENGINE, greedy
 from tests.entrypoints.server_utils import free_port
+from tests.utils import ROLLOUT_ENGINE as ENGINE
+from tests.utils import greedy_ids as greedy
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,8 @@ import pytest
 from safetensors.torch import load_file
 
 from pagedllm import LLM
-from tests.engine.test_weight_update import ENGINE, greedy
+from tests.utils import ROLLOUT_ENGINE as ENGINE
+from tests.utils import greedy_ids as greedy
 
 
 def _released_bytes(worker) -> tuple[int, int]:

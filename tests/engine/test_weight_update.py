@@ -7,24 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM
+from tests.utils import ROLLOUT_ENGINE as ENGINE
+from tests.utils import ROLLOUT_PROMPTS as PROMPTS
+from tests.utils import greedy_ids as greedy
 from tests.utils import perturbed_checkpoint
-
-PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [40, 41, 42], [7, 300, 12, 99]]
-PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-ENGINE = dict(
-    device="cpu",
-    dtype="float32",
-    block_size=4,
-    max_model_len=64,
-    num_gpu_blocks_override=64,
-    enforce_eager=True,
-)
-
-
-def greedy(llm: LLM, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
 
 
 @pytest.fixture(scope="module")
