@@ -108,6 +108,18 @@ def test_refusals(sleepy, tiny_llama):
         )
 
 
+def test_sleep_refused_while_a_request_is_unfinished(sleepy, reference):
+    from pagedllm import SamplingParams
+
+    engine = sleepy.llm_engine
+    engine.add_request("unfinished", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=4))
+    with pytest.raises(RuntimeError, match="unfinished"):
+        sleepy.sleep(level=1)
+    assert not sleepy.is_sleeping()
+    engine.abort_request("unfinished")
+    assert greedy(sleepy) == reference
+
+
 def test_shutdown_while_asleep(tiny_llama):
     llm = LLM(tiny_llama, enable_sleep_mode=True, **ENGINE)
     llm.sleep(level=2)

@@ -4,6 +4,7 @@ live tiny server, with httpx."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 
 import httpx
@@ -73,20 +74,49 @@ def test_collective_rpc_and_reset_prefix_cache(client):
     assert client.post("/reset_prefix_cache").status_code == 200
 
 
-def test_sleep_refused_while_a_request_runs(client):
+def test_weights_broadcast_by_a_trainer_through_collective_rpc(client, tiny_llama, updated_tiny_llama):
+    """Server-mode training loops: the trainer process broadcasts, the engine receives through /collective_rpc."""
+    from pagedllm import LLM
+    from tests.distributed.rl_workers import BAD_TENSOR, checkpoint_tensors, trainer_broadcast
+    from tests.entrypoints.server_utils import free_port
+    from tests.utils import ROLLOUT_ENGINE, greedy_ids
+
     body = {
         "model": _model_name(client),
         "prompt": PROMPT,
-        "max_tokens": 480,
+        "max_tokens": 8,
         "temperature": 0.0,
         "ignore_eos": True,
-        "stream": True,
     }
-    with client.stream("POST", "/v1/completions", json=body) as stream:
-        first = next(line for line in stream.iter_lines() if line.startswith("data: "))
-        assert "choices" in first  # the request runs
-        refused = client.post("/sleep", params={"level": 1})
-        assert refused.status_code == 409, refused.text
-    assert client.get("/is_sleeping").json() == {"is_sleeping": False}
-    body.update(stream=False, max_tokens=4)
-    assert client.post("/v1/completions", json=body).status_code == 200  # new requests still run
+    with LLM(updated_tiny_llama[0], **ROLLOUT_ENGINE) as fresh:
+        expected = fresh.get_tokenizer().decode(greedy_ids(fresh, [PROMPT])[0])
+    old_text = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    assert old_text != expected
+
+    def rpc(method: str, *args) -> httpx.Response:
+        return client.post("/collective_rpc", json={"method": method, "args": list(args)})
+
+    port = free_port()
+    trainer = multiprocessing.get_context("spawn").Process(
+        target=trainer_broadcast, args=(port, 2, updated_tiny_llama[0]), daemon=True
+    )
+    trainer.start()
+    try:
+        assert rpc("init_weight_update_group", "127.0.0.1", port, 1, 2).json() == {"results": [None]}
+        refused = rpc("update_weight", BAD_TENSOR[0], "float32", list(BAD_TENSOR[1]))
+        assert refused.status_code == 400 and BAD_TENSOR[0] in refused.json()["error"]["message"]
+        for name, tensor in checkpoint_tensors(updated_tiny_llama[0]):
+            assert rpc("update_weight", name, "float32", list(tensor.shape)).status_code == 200
+        trainer.join(60)
+        assert trainer.exitcode == 0
+        assert rpc("destroy_weight_update_group").status_code == 200
+    finally:
+        if trainer.is_alive():
+            trainer.kill()
+            trainer.join()
+    assert client.post("/reset_prefix_cache").status_code == 200
+    assert client.post("/v1/completions", json=body).json()["choices"][0]["text"] == expected
+    # back to the checkpoint on disk
+    assert rpc("reload_weights").json() == {"results": [len(checkpoint_tensors(tiny_llama))]}
+    assert client.post("/reset_prefix_cache").status_code == 200
+    assert client.post("/v1/completions", json=body).json()["choices"][0]["text"] == old_text
