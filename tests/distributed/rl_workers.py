@@ -22,12 +22,18 @@ def checkpoint_tensors(path: str) -> list[tuple[str, torch.Tensor]]:
     return sorted(state.items())
 
 
-def trainer_broadcast(master_port: int, world_size: int, checkpoint: str) -> None:
-    """Host the group's store, then broadcast the bad tensor and every tensor of ``checkpoint``."""
-    group = stateless_process_group("127.0.0.1", master_port, 0, world_size, backend="gloo", timeout_s=120)
-    group.broadcast(torch.zeros(BAD_TENSOR[1]), src=0)
+def trainer_broadcast(master_port: int, world_size: int, checkpoint: str, device: str = "cpu") -> None:
+    """Host the group's store, then broadcast the bad tensor and every tensor of ``checkpoint`` (gloo from the
+    host; NCCL from ``device`` when it is a GPU)."""
+    if device != "cpu":
+        torch.cuda.set_device(device)
+    backend = "gloo" if device == "cpu" else "nccl"
+    group = stateless_process_group("127.0.0.1", master_port, 0, world_size, backend=backend, timeout_s=120)
+    group.broadcast(torch.zeros(BAD_TENSOR[1], device=device), src=0)
     for _, tensor in checkpoint_tensors(checkpoint):
-        group.broadcast(tensor.contiguous(), src=0)
+        group.broadcast(tensor.to(device).contiguous(), src=0)
+    if device != "cpu":
+        torch.cuda.synchronize()
 
 
 class RankProbe:
