@@ -7,7 +7,10 @@ draft i + 1, as vLLM proposes them (no tree).
 
 Config (``config.json``): ``hidden_size``, ``vocab_size``, ``num_heads`` and ``num_hidden_layers`` (vLLM's
 names), or FasterDecoding's ``medusa_num_heads`` / ``medusa_num_layers`` (their ``hidden_size`` / ``vocab_size``
-default to the target's). Weights: ``blocks.{i}.layers.{j}.{weight,bias}`` + ``lm_heads.{i}.weight`` (vLLM's
+default to the target's). ``original_lm_head: true`` (vLLM's name): every head shares one LM head, the
+checkpoint's ``lm_head.weight`` or, when the checkpoint has none, the target's own.
+
+Weights: ``blocks.{i}.layers.{j}.{weight,bias}`` + ``lm_heads.{i}.weight`` (vLLM's
 layout) or FasterDecoding's ``medusa_head.{i}.{j}.linear.{weight,bias}`` (j < layers) + ``medusa_head.{i}.{L}.weight``.
 """
 
@@ -30,6 +33,7 @@ class MedusaConfig:
     vocab_size: int
     num_heads: int
     num_hidden_layers: int
+    original_lm_head: bool = False
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], target_hidden: int, target_vocab: int) -> MedusaConfig:
@@ -41,6 +45,7 @@ class MedusaConfig:
             int(raw.get("vocab_size", target_vocab)),
             int(num_heads) if num_heads is not None else 0,
             int(num_layers),
+            bool(raw.get("original_lm_head", False)),
         )
         if config.num_heads < 1:
             raise ValueError("speculative_config.model: a Medusa config needs num_heads (or medusa_num_heads) >= 1")
@@ -71,17 +76,25 @@ class ResidualBlock(nn.Module):
 
 
 class MedusaHeads(nn.Module):
-    """``forward(hidden [n, H]) -> logits [num_heads, n, vocab]`` (float32)."""
+    """``forward(hidden [n, H]) -> logits [num_heads, n, vocab]`` (float32). With ``original_lm_head`` every head
+    uses ``lm_head`` (the checkpoint's copy) or, without one, ``target_lm_head`` (the target's ``compute_logits``,
+    set by the proposer); else each head has its own ``lm_heads[i]``."""
 
-    def __init__(self, config: MedusaConfig) -> None:
+    def __init__(self, config: MedusaConfig, with_lm_head_copy: bool = False) -> None:
         super().__init__()
         self.config = config
         h = config.hidden_size
         self.blocks = nn.ModuleList([ResidualBlock(h, config.num_hidden_layers) for _ in range(config.num_heads)])
-        self.lm_heads = nn.ModuleList([Linear(h, config.vocab_size, bias=False) for _ in range(config.num_heads)])
+        self.lm_head = Linear(h, config.vocab_size, bias=False) if with_lm_head_copy else None
+        if not config.original_lm_head:
+            self.lm_heads = nn.ModuleList([Linear(h, config.vocab_size, bias=False) for _ in range(config.num_heads)])
+        self.target_lm_head: Any = None
 
     def forward(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
         heads = range(self.config.num_heads if num_heads is None else num_heads)
+        if self.config.original_lm_head:
+            shared = self.lm_head if self.lm_head is not None else self.target_lm_head
+            return torch.stack([shared(self.blocks[i](hidden)).float() for i in heads])
         return torch.stack([self.lm_heads[i](self.blocks[i](hidden)).float() for i in heads])
 
 

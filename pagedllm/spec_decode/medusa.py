@@ -47,13 +47,22 @@ class MedusaProposer:
                 f"speculative_config.num_speculative_tokens ({self.k}) exceeds the Medusa heads' number "
                 f"({head_config.num_heads})"
             )
+        tensors = {} if mc.load_format == "dummy" else dict(iter_safetensors(spec.model))
+        copy = head_config.original_lm_head and (mc.load_format == "dummy" or "lm_head.weight" in tensors)
+        if head_config.original_lm_head and not copy and getattr(runner, "tp_size", 1) > 1:
+            raise ValueError(
+                "speculative_config.model: Medusa heads that share the target's LM head need a copy of it "
+                "(lm_head.weight) under tensor_parallel_size > 1"
+            )
         with _default_dtype(mc.dtype), torch.device(self.device):
-            heads = MedusaHeads(head_config)
+            heads = MedusaHeads(head_config, with_lm_head_copy=copy)
         if mc.load_format == "dummy":
             init_dummy_weights(heads, mc.seed)
         else:
-            load_weights(heads, medusa_weight_names(iter_safetensors(spec.model), head_config.num_hidden_layers))
+            load_weights(heads, medusa_weight_names(iter(tensors.items()), head_config.num_hidden_layers))
         process_weights_after_loading(heads)
+        if head_config.original_lm_head and not copy:
+            heads.target_lm_head = runner.model.compute_logits  # the target's own LM head (one process)
         self.heads = heads.eval()
 
     def kv_block_bytes(self) -> int:

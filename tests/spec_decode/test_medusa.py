@@ -21,10 +21,11 @@ PROMPTS = ((5, 9, 31, 7, 100), tuple(range(40, 57)), (7, 8, 9, 10) * 5, (11, 12,
 
 
 def make_medusa_heads(
-    target: str, path: Path, num_heads: int = 3, num_layers: int = 1, layout: str = "vllm"
+    target: str, path: Path, num_heads: int = 3, num_layers: int = 1, layout: str = "vllm", shared: bool = False
 ) -> tuple[str, dict[str, torch.Tensor]]:
-    """Random heads for ``target``'s shape, saved in vLLM's or FasterDecoding's layout; also returns the weights
-    in vLLM's names."""
+    """Random heads for ``target``'s shape, saved in vLLM's or FasterDecoding's layout (``shared``: vLLM's
+    ``original_lm_head`` without a copy, the target's LM head serving every head); also returns the weights in
+    vLLM's names."""
     cfg = json.loads((Path(target) / "config.json").read_text())
     h, vocab = cfg["hidden_size"], cfg["vocab_size"]
     gen = torch.Generator().manual_seed(11)
@@ -33,9 +34,11 @@ def make_medusa_heads(
         for j in range(num_layers):
             weights[f"blocks.{i}.layers.{j}.weight"] = torch.randn(h, h, generator=gen) * 0.2
             weights[f"blocks.{i}.layers.{j}.bias"] = torch.randn(h, generator=gen) * 0.1
-        weights[f"lm_heads.{i}.weight"] = torch.randn(vocab, h, generator=gen) * 0.2
+        if not shared:
+            weights[f"lm_heads.{i}.weight"] = torch.randn(vocab, h, generator=gen) * 0.2
     if layout == "vllm":
         config = {"hidden_size": h, "vocab_size": vocab, "num_heads": num_heads, "num_hidden_layers": num_layers}
+        config["original_lm_head"] = shared
         saved = weights
     else:  # FasterDecoding's Medusa-1 layout
         config = {"medusa_num_heads": num_heads, "medusa_num_layers": num_layers, "base_model_name_or_path": target}
@@ -80,11 +83,12 @@ def test_medusa_greedy_matches_transformers(tiny_llama, tmp_path, layout, engine
     assert core.kv_cache_manager.num_free_blocks == core.kv_cache_manager.pool.num_blocks
 
 
-def test_drafts_are_the_heads_over_the_targets_final_hidden_state(tiny_llama, tmp_path):
+@pytest.mark.parametrize("shared", [False, True], ids=["own-lm-heads", "target-lm-head"])
+def test_drafts_are_the_heads_over_the_targets_final_hidden_state(tiny_llama, tmp_path, shared):
     """Each draft list equals argmax(lm_head_i(blocks_i(h))) for h = transformers' final (normed) hidden state at
     the position that produced the request's newest token: the row bookkeeping after accepted and rejected drafts
-    and prefill chunks, which exactness cannot see."""
-    heads, weights = make_medusa_heads(tiny_llama, tmp_path / "h", num_layers=1)
+    and prefill chunks, which exactness cannot see. With ``original_lm_head`` every head uses the target's."""
+    heads, weights = make_medusa_heads(tiny_llama, tmp_path / "h", num_layers=1, shared=shared)
     llm = _llm(tiny_llama, heads, max_num_batched_tokens=6)
     engine, core = llm.llm_engine, llm.llm_engine.engine_core
     sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
@@ -96,6 +100,8 @@ def test_drafts_are_the_heads_over_the_targets_final_hidden_state(tiny_llama, tm
         log += [(list(r.all_token_ids), list(r.spec_token_ids)) for r in core.scheduler.requests.values() if r.spec_token_ids]
     assert len(log) > 8
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    if shared:
+        weights |= {f"lm_heads.{i}.weight": hf.lm_head.weight.detach() for i in range(3)}
     for tokens, drafts in log:
         with torch.no_grad():
             h = hf(torch.tensor([tokens[:-1]]), output_hidden_states=True).hidden_states[-1][0, -1]

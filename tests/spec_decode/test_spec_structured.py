@@ -47,7 +47,7 @@ def check(params: SamplingParams, text: str) -> None:
         assert text in s.choice, text
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_self", "draft_other"])
+@pytest.mark.parametrize("method", ["ngram", "draft_self", "draft_other", "medusa"])
 def test_constrained_requests_speculate_exactly(tiny_model_dirs, tiny_llama, method) -> None:
     params = constrained() * 2
     prompts = [PROMPTS[i % 2] for i in range(len(params))]
