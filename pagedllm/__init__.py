@@ -1,6 +1,19 @@
 """pagedllm: high-throughput LLM inference and serving with vLLM's interfaces."""
 
-from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from pagedllm.pooling.params import PoolingParams
 from pagedllm.sampling_params import (
     GuidedDecodingParams,
     RequestOutputKind,
@@ -20,6 +33,15 @@ __all__ = [
     "RequestOutputKind",
     "StructuredOutputsParams",
     "GuidedDecodingParams",
+    "PoolingParams",
+    "PoolingOutput",
+    "PoolingRequestOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
+    "ClassificationOutput",
+    "ClassificationRequestOutput",
+    "ScoringOutput",
+    "ScoringRequestOutput",
     "__version__",
 ]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -82,9 +83,14 @@ class ModelConfig:
     # vLLM's names: "fp8" (online from a float checkpoint, or an fp8 checkpoint), "gptq", "awq",
     # "compressed-tensors"; None reads config.json's quantization_config (see pagedllm.quantization)
     quantization: str | None = None
+    # vLLM's names: "generate" (text generation), "pooling" (embed / classify / score), "auto": pooling for an
+    # encoder or sequence-classification architecture or a sentence-transformers checkpoint (modules.json)
+    runner: str = "auto"
     hf_config: Any = field(default=None, init=False, repr=False)
     model_path: str = field(default="", init=False)
     quant_config: Any = field(default=None, init=False, repr=False)  # QuantizationConfig | None
+    runner_type: str = field(default="generate", init=False)  # "generate" | "pooling": what ``runner`` resolved to
+    pooler_config: Any = field(default=None, init=False, repr=False)  # pagedllm.pooling.config.PoolerConfig
 
     def __post_init__(self) -> None:
         from transformers import AutoConfig
@@ -100,12 +106,11 @@ class ModelConfig:
         text_config = getattr(self.hf_config, "text_config", None)
         if text_config is not None and not hasattr(self.hf_config, "num_hidden_layers"):
             self.hf_config = text_config
-        from pagedllm.models.registry import get_model_class
 
         archs = getattr(self.hf_config, "architectures", None) or []
         if not archs:
             raise ValueError(f"config.json of {self.model!r} names no architectures")
-        get_model_class(archs[0], import_module=False)  # ValueError listing the supported ones
+        self._resolve_runner(archs[0])
         from pagedllm.quantization import resolve_quantization
 
         # ValueError naming the offending quantization_config field
@@ -122,6 +127,30 @@ class ModelConfig:
             )
         if self.served_model_name is None:
             self.served_model_name = self.model
+
+    def _resolve_runner(self, architecture: str) -> None:
+        """Set ``runner_type`` (and ``pooler_config`` for a pooling model); ``ValueError`` naming ``runner`` or
+        listing the supported architectures."""
+        from pagedllm.models.registry import get_model_class, get_pooling_model_class
+        from pagedllm.pooling.config import is_pooling_architecture, resolve_pooler_config
+
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise ValueError(f"runner must be 'auto', 'generate' or 'pooling', got {self.runner!r}")
+        runner = self.runner
+        if runner == "auto":
+            has_st = os.path.isfile(os.path.join(self.model_path, "modules.json"))
+            runner = "pooling" if is_pooling_architecture(architecture) or has_st else "generate"
+        if runner == "generate":
+            if is_pooling_architecture(architecture):
+                raise ValueError(
+                    f"runner: {architecture} is a pooling model (embed / classify / score); it cannot generate "
+                    "text: use runner='pooling'"
+                )
+            get_model_class(architecture, import_module=False)  # ValueError listing the supported ones
+        else:
+            get_pooling_model_class(architecture, import_module=False)
+            self.pooler_config = resolve_pooler_config(self.model_path, self.hf_config, architecture)
+        self.runner_type = runner
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -146,7 +175,18 @@ class ModelConfig:
     def derived_max_model_len(self) -> int:
         """The longest context served: the model's positions (``max_position_embeddings``). A sliding window does
         not cap it: the attention backends apply the window (per layer, see ``pagedllm/attention/base.py``)."""
-        return int(getattr(self.hf_config, "max_position_embeddings", 2048) or 2048)
+        derived = int(getattr(self.hf_config, "max_position_embeddings", 2048) or 2048)
+        if self.runner_type == "pooling":
+            archs = getattr(self.hf_config, "architectures", None) or [""]
+            if archs[0].startswith(("XLMRoberta", "Roberta")):  # positions start after pad_token_id
+                derived -= int(getattr(self.hf_config, "pad_token_id", 1) or 0) + 1
+            st_path = os.path.join(self.model_path, "sentence_bert_config.json")
+            if os.path.isfile(st_path):
+                with open(st_path) as f:
+                    st_max = json.load(f).get("max_seq_length")
+                if st_max:
+                    derived = min(derived, int(st_max))
+        return derived
 
     @property
     def sliding_window(self) -> int | None:
@@ -635,6 +675,22 @@ def _apply_expert_parallel(parallel_config: ParallelConfig, model_config: ModelC
         setattr(model_config.hf_config, EXPERT_PARALLEL_ATTR, ep)
 
 
+def _check_pooling_options(
+    model_config: ModelConfig, speculative_config: Any, enable_lora: bool, tp: int, pp: int, dp: int
+) -> None:
+    """A pooling model runs on one device without speculative decoding or LoRA (``ValueError`` naming the
+    option)."""
+    for name, on in (
+        ("speculative_config", speculative_config is not None),
+        ("enable_lora", enable_lora),
+        ("tensor_parallel_size", tp > 1),
+        ("pipeline_parallel_size", pp > 1),
+        ("data_parallel_size", dp > 1),
+    ):
+        if on:
+            raise ValueError(f"{name} is not supported with a pooling model ({model_config.model})")
+
+
 def make_engine_config(
     model: str,
     *,
@@ -681,6 +737,7 @@ def make_engine_config(
     usage_context: str = "llm",
     enable_sleep_mode: bool = False,
     worker_extension_cls: str | None = None,
+    runner: str = "auto",
 ) -> EngineConfig:
     """Build every config from vLLM-named keyword arguments (what ``LLM(...)`` and ``pagedllm serve`` take).
     ``usage_context``: "llm" (offline) or "api_server", which picks the batch defaults (``default_batch_limits``)."""
@@ -709,7 +766,11 @@ def make_engine_config(
         load_format=load_format,
         served_model_name=served_model_name,
         quantization=quantization,
+        runner=runner,
     )
+    if model_config.runner_type == "pooling":
+        _check_pooling_options(model_config, speculative_config, enable_lora, tensor_parallel_size,
+                               pipeline_parallel_size, data_parallel_size)
     if dtype == "auto":
         # As vLLM: float32 checkpoints run in bfloat16 on GPUs. On CPU half types are slow: use float32.
         if device_config.device.type == "cuda" and model_config.dtype == torch.float32:

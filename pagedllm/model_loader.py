@@ -42,7 +42,7 @@ from pagedllm.distributed.pipeline import PPMissingLayer
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.embedding import LMHead
 from pagedllm.layers.linear import Linear, default_weight_loader, deferred_linear_weights
-from pagedllm.models.registry import get_model_class
+from pagedllm.models.registry import get_model_class, get_pooling_model_class
 
 # Checkpoint tensors that are derived state, not weights: skipped silently.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
@@ -74,7 +74,10 @@ def get_model(
     architectures = getattr(hf_config, "architectures", None) or []
     if not architectures:
         raise ValueError("the model config names no architecture (config.json 'architectures' is empty)")
-    model_cls = get_model_class(architectures[0])
+    if getattr(model_config, "runner_type", "generate") == "pooling":
+        model_cls = get_pooling_model_class(architectures[0])
+    else:
+        model_cls = get_model_class(architectures[0])
     quant_config = getattr(model_config, "quant_config", None)
     tp_kwargs = {}
     if tp is not None and tp.size > 1:
@@ -205,9 +208,16 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
     unexpected: list[str] = []
     attn_layers = {name: m for name, m in model.named_modules() if isinstance(m, Attention)}
     absent = {name for name, m in model.named_modules() if isinstance(m, PPMissingLayer)}  # other stages'
+    # A model may rename checkpoint tensors, or skip those it does not use (None): pooling models drop an LM
+    # head, or the prefix of the task model that wrapped their body (pagedllm/models/bert.py).
+    rename = getattr(model, "checkpoint_name", None)
     for ckpt_name, tensor in weights:
         if ckpt_name.endswith(_IGNORED_SUFFIXES):
             continue
+        if rename is not None:
+            ckpt_name = rename(ckpt_name)
+            if ckpt_name is None:
+                continue
         if absent and _owned_by(ckpt_name, absent):
             continue
         kv_scale = _kv_scale_target(ckpt_name, attn_layers)

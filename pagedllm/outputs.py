@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -52,3 +53,67 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = field(default=None, repr=False)
+
+
+# ---------------------------------------------------------------------------------------------- pooling models
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's raw result: ``data`` is a float32 tensor on the host (``[hidden_size]`` for an
+    embedding model, ``[num_labels]`` for a classifier)."""
+
+    data: Any  # torch.Tensor
+
+
+@dataclass
+class PoolingRequestOutput:
+    request_id: str
+    outputs: Any  # PoolingOutput, or the task's view of it (EmbeddingOutput, ClassificationOutput, ScoringOutput)
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: str | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        return cls(out.request_id, EmbeddingOutput(out.outputs.data.tolist()), out.prompt_token_ids,
+                   out.finished, out.prompt)
+
+
+@dataclass
+class ClassificationRequestOutput(PoolingRequestOutput):
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> ClassificationRequestOutput:
+        return cls(out.request_id, ClassificationOutput(out.outputs.data.tolist()), out.prompt_token_ids,
+                   out.finished, out.prompt)
+
+
+@dataclass
+class ScoringRequestOutput(PoolingRequestOutput):
+    pass

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedllm.lora.request import LoRARequest
+from pagedllm.pooling.params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 # ---------------------------------------------------------------- front-end <-> engine core
@@ -25,6 +26,10 @@ class EngineCoreRequest:
     arrival_time: float
     priority: int = 0
     lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
+    # A pooling model's request (sampling_params is then None): its task and settings, and BERT segment ids of a
+    # text pair (None: all 0).
+    pooling_params: PoolingParams | None = None
+    token_type_ids: list[int] | None = None
 
 
 @dataclass
@@ -49,6 +54,7 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None  # stop token id that ended it
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     queue_time: float | None = None  # seconds from arrival to first scheduling; on the first output only
+    pooling_output: list[float] | None = None  # a pooling request's result (pagedllm/pooling/pooler.py)
 
     @property
     def finished(self) -> bool:

@@ -8,12 +8,14 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from pagedllm.config import EngineConfig, make_engine_config
-from pagedllm.core.sched_output import SchedulerStats
+from pagedllm.core.sched_output import EngineCoreRequest, SchedulerStats
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.input_processor import InputProcessor, ProcessedRequest
 from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.pooling_input import PoolingInputProcessor, PoolingPrompt
 from pagedllm.lora.request import LoRARequest
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
+from pagedllm.pooling.params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import get_tokenizer
 
@@ -33,7 +35,15 @@ class LLMEngine:
         self.tokenizer = get_tokenizer(mc.tokenizer, trust_remote_code=mc.trust_remote_code)
         self.input_processor = InputProcessor(mc, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
-        if config.data_parallel_size > 1:
+        self.is_pooling = mc.runner_type == "pooling"
+        self.pooling_processor: PoolingInputProcessor | None = None
+        self._pooling_prompts: dict[str, PoolingPrompt] = {}  # pooling requests in flight
+        if self.is_pooling:
+            from pagedllm.engine.pooling_core import PoolingEngineCore
+
+            self.pooling_processor = PoolingInputProcessor(config, self.tokenizer)
+            self.engine_core = PoolingEngineCore(config, tokenizer=self.tokenizer)
+        elif config.data_parallel_size > 1:
             from pagedllm.engine.data_parallel import DataParallelEngineCore
 
             self.engine_core = DataParallelEngineCore(config, tokenizer=self.tokenizer)
@@ -57,6 +67,11 @@ class LLMEngine:
         lora_request: LoRARequest | None = None,
     ) -> ProcessedRequest:
         """Tokenize and validate (``ValueError`` naming the field) without queueing anything."""
+        if self.is_pooling:
+            raise ValueError(
+                "this model runs as a pooling model (runner='pooling'): it embeds, classifies or scores text and "
+                "cannot generate; use embed / classify / score / encode"
+            )
         if arrival_time is None:
             arrival_time = time.monotonic()
         return self.input_processor.process(
@@ -92,8 +107,65 @@ class LLMEngine:
             self.process_request(request_id, prompt, params, arrival_time, priority, lora_request)
         )
 
+    def process_pooling_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: PoolingParams,
+        arrival_time: float | None = None,
+        text_pair: str | None = None,
+    ) -> tuple[PoolingPrompt, EngineCoreRequest]:
+        """Validate and tokenize one pooling request (``params.task`` set) without queueing it; ``ValueError``
+        naming the field. ``text_pair``: the second text of a cross-encoder pair."""
+        self._check_running()
+        if self.pooling_processor is None:
+            raise ValueError(
+                "this model generates text (runner='generate'): it has no pooling output; start it with "
+                "runner='pooling' to embed with it"
+            )
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        return self.pooling_processor.process(request_id, prompt, params, arrival_time, text_pair)
+
+    def add_processed_pooling_request(self, prompt: PoolingPrompt, request: EngineCoreRequest) -> None:
+        if request.request_id in self._pooling_prompts:
+            raise ValueError(f"request_id {request.request_id!r} is already in flight")
+        self.engine_core.add_request(request)
+        self._pooling_prompts[request.request_id] = prompt
+
+    def add_pooling_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: PoolingParams,
+        arrival_time: float | None = None,
+        text_pair: str | None = None,
+    ) -> None:
+        """``process_pooling_request``, then queue it."""
+        self.add_processed_pooling_request(
+            *self.process_pooling_request(request_id, prompt, params, arrival_time, text_pair)
+        )
+
+    def _pooling_step(self) -> list[PoolingRequestOutput]:
+        import torch
+
+        outputs = self.engine_core.step()
+        if outputs.stats is not None:
+            self.last_stats = outputs.stats
+        results = []
+        for out in outputs.outputs:
+            info = self._pooling_prompts.pop(out.request_id, None)
+            if info is None or out.pooling_output is None:
+                continue
+            data = torch.tensor(out.pooling_output, dtype=torch.float32)
+            results.append(
+                PoolingRequestOutput(out.request_id, PoolingOutput(data), info.token_ids, True, info.prompt)
+            )
+        return results
+
     def step(self) -> list[RequestOutput]:
         self._check_running()
+        if self.is_pooling:
+            return self._pooling_step()
         outputs = self.engine_core.step()
         if outputs.stats is not None:
             self.last_stats = outputs.stats
@@ -109,6 +181,11 @@ class LLMEngine:
         if self.is_shut_down:  # nothing runs any more
             self.output_processor.abort_requests(list(request_ids))
             return
+        if self.is_pooling:
+            for rid in request_ids:
+                self._pooling_prompts.pop(rid, None)
+            self.engine_core.abort_requests(list(request_ids))
+            return
         self.engine_core.abort_requests(self.output_processor.abort_requests(list(request_ids)))
         self.engine_core.on_idle()
 
@@ -116,7 +193,7 @@ class LLMEngine:
         return self.output_processor.has_unfinished_requests() or self.engine_core.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
-        return self.output_processor.get_num_unfinished_requests()
+        return self.output_processor.get_num_unfinished_requests() + len(self._pooling_prompts)
 
     def get_stats(self) -> SchedulerStats:
         return self.engine_core.get_stats()

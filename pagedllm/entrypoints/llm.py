@@ -14,10 +14,40 @@ from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_se
 from pagedllm.config import make_engine_config
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.lora.request import LoRARequest
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from pagedllm.pooling.params import PoolingParams
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 ChatMessages = list[dict[str, Any]]
+
+
+def score_pairs(data_1: str | Sequence[str], data_2: str | Sequence[str]) -> list[tuple[str, str]]:
+    """vLLM's pairing for ``score``: one text against each of a list (either side), or two lists pairwise
+    (``ValueError`` on lists of different lengths, empty input or a non-string)."""
+    side_1 = [data_1] if isinstance(data_1, str) else list(data_1)
+    side_2 = [data_2] if isinstance(data_2, str) else list(data_2)
+    for name, side in (("data_1", side_1), ("data_2", side_2)):
+        if not side:
+            raise ValueError(f"{name} must not be empty")
+        if not all(isinstance(t, str) for t in side):
+            raise ValueError(f"{name} must be a string or a list of strings")
+    if len(side_1) == 1:
+        side_1 = side_1 * len(side_2)
+    elif len(side_2) == 1:
+        side_2 = side_2 * len(side_1)
+    if len(side_1) != len(side_2):
+        raise ValueError(
+            f"data_1 and data_2 must have the same length, or one of them one text: got {len(side_1)} and "
+            f"{len(side_2)}"
+        )
+    return list(zip(side_1, side_2))
 
 
 class LLM:
@@ -77,6 +107,7 @@ class LLM:
         max_cpu_loras: int | None = None,
         enable_sleep_mode: bool = False,
         worker_extension_cls: str | None = None,
+        runner: str = "auto",
         **kwargs: Any,
     ) -> None:
         if kwargs:
@@ -128,6 +159,7 @@ class LLM:
             max_cpu_loras=max_cpu_loras,
             enable_sleep_mode=enable_sleep_mode,
             worker_extension_cls=worker_extension_cls,
+            runner=runner,
         )
         self.llm_engine = LLMEngine(config)
         self._counter = itertools.count()
@@ -325,6 +357,160 @@ class LLM:
         """Whether any part of the engine (weights, KV cache) is released by ``sleep``."""
         return self.llm_engine.is_sleeping()
 
+    # ------------------------------------------------------------------ pooling models (runner="pooling")
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_task: str = "encode",
+    ) -> list[PoolingRequestOutput]:
+        """The pooled output of each prompt (``.outputs.data``, a float32 tensor), in input order: for
+        ``pooling_task="encode"`` the pooled hidden state as is (a classifier's logits), for "embed" / "classify"
+        what ``embed`` / ``classify`` return in tensor form. Every prompt is validated before any is queued
+        (``ValueError`` naming the field)."""
+        prompts = self._prompt_list(prompts)
+        params = self._pooling_params_list(pooling_params, len(prompts), pooling_task, truncate_prompt_tokens)
+        return self._run_pooling([(p, sp, None) for p, sp in zip(prompts, params)], use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (``.outputs.embedding``, list of floats), normalized unless the checkpoint or
+        ``pooling_params.normalize`` says otherwise; ``pooling_params.dimensions`` shortens it (Matryoshka
+        models)."""
+        outs = self.encode(
+            prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
+            pooling_task="embed",
+        )
+        return [EmbeddingRequestOutput.from_base(o) for o in outs]
+
+    def classify(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[ClassificationRequestOutput]:
+        """Class probabilities per prompt (``.outputs.probs``: softmax over the labels, sigmoid for one label)
+        from a sequence-classification model."""
+        outs = self.encode(
+            prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
+            pooling_task="classify",
+        )
+        return [ClassificationRequestOutput.from_base(o) for o in outs]
+
+    def score(
+        self,
+        data_1: str | Sequence[str],
+        data_2: str | Sequence[str],
+        /,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """Similarity of text pairs (``.outputs.score``): one ``data_1`` against each of ``data_2``, or pairwise
+        for two lists of the same length. A cross-encoder (a classifier with one label) reads each pair as one
+        input and gives the sigmoid of its logit; an embedding model gives the cosine of the two embeddings."""
+        pairs = score_pairs(data_1, data_2)
+        pooler = self.llm_engine.config.model_config.pooler_config
+        if pooler is None:
+            raise ValueError("score needs a pooling model (runner='pooling'); this model generates text")
+        params = pooling_params or PoolingParams()
+        if truncate_prompt_tokens is not None:
+            params = PoolingParams(**{**params.__dict__, "truncate_prompt_tokens": truncate_prompt_tokens})
+        if pooler.is_classifier:
+            if pooler.num_labels != 1:
+                raise ValueError(
+                    f"score needs a cross-encoder with one label; this classifier has {pooler.num_labels} labels: "
+                    "use classify"
+                )
+            task_params = params.with_task("score")
+            outs = self._run_pooling([(a, task_params, b) for a, b in pairs], use_tqdm)
+            return [
+                ScoringRequestOutput(o.request_id, ScoringOutput(float(o.outputs.data[0])), o.prompt_token_ids)
+                for o in outs
+            ]
+        import torch
+
+        task_params = params.with_task("embed")
+        texts = [t for pair in pairs for t in pair]
+        outs = self._run_pooling([(t, task_params, None) for t in texts], use_tqdm)
+        results = []
+        for i in range(len(pairs)):
+            a, b = outs[2 * i], outs[2 * i + 1]
+            score = torch.nn.functional.cosine_similarity(a.outputs.data, b.outputs.data, dim=0).item()
+            results.append(
+                ScoringRequestOutput(a.request_id, ScoringOutput(score), a.prompt_token_ids + b.prompt_token_ids)
+            )
+        return results
+
+    @staticmethod
+    def _prompt_list(prompts: Any) -> list[Any]:
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            return [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("prompts must not be empty")
+        return prompts
+
+    @staticmethod
+    def _pooling_params_list(
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None,
+        num_prompts: int,
+        task: str,
+        truncate_prompt_tokens: int | None,
+    ) -> list[PoolingParams]:
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params_list = [pooling_params or PoolingParams()] * num_prompts
+        else:
+            params_list = list(pooling_params)
+            if len(params_list) != num_prompts:
+                raise ValueError(
+                    f"pooling_params has {len(params_list)} entries but there are {num_prompts} prompts"
+                )
+        out = []
+        for p in params_list:
+            if not isinstance(p, PoolingParams):
+                raise ValueError(f"pooling_params must be PoolingParams, got {type(p).__name__}")
+            if truncate_prompt_tokens is not None:
+                p = PoolingParams(**{**p.__dict__, "truncate_prompt_tokens": truncate_prompt_tokens})
+            out.append(p.with_task(task))
+        return out
+
+    def _run_pooling(
+        self, items: list[tuple[Any, PoolingParams, str | None]], use_tqdm: bool
+    ) -> list[PoolingRequestOutput]:
+        """Validate every (prompt, params, text pair) first, then queue them all and step until they are done."""
+        self._check_running()
+        engine = self.llm_engine
+        now = time.monotonic()
+        processed = [
+            engine.process_pooling_request(str(next(self._counter)), p, sp, arrival_time=now, text_pair=pair)
+            for p, sp, pair in items
+        ]
+        added = []
+        try:
+            for info, request in processed:
+                engine.add_processed_pooling_request(info, request)
+                added.append(request.request_id)
+            return self._run_engine(added, use_tqdm)
+        except BaseException:
+            engine.abort_request(added)
+            raise
+
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         pending = set(request_ids)
@@ -343,7 +529,8 @@ class LLM:
                         pending.discard(out.request_id)
                         done[out.request_id] = out
                         if pbar is not None:
-                            num_out_tokens += sum(len(o.token_ids) for o in out.outputs)
+                            if isinstance(out, RequestOutput):
+                                num_out_tokens += sum(len(o.token_ids) for o in out.outputs)
                             pbar.set_postfix_str(
                                 f"output {num_out_tokens / (time.perf_counter() - start):.1f} tok/s"
                             )

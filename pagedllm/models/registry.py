@@ -25,8 +25,47 @@ _MODELS: dict[str, tuple[str, str]] = {
 }
 
 
+# Pooling models (runner="pooling"): architecture -> (module, class). A decoder named by its causal-LM
+# architecture runs here without its LM head (an embedder such as Qwen3-Embedding).
+_POOLING_MODELS: dict[str, tuple[str, str]] = {
+    "BertModel": ("bert", "BertModel"),
+    "BertForSequenceClassification": ("bert", "BertForSequenceClassification"),
+    "XLMRobertaModel": ("bert", "XLMRobertaModel"),
+    "RobertaModel": ("bert", "XLMRobertaModel"),
+    "XLMRobertaForSequenceClassification": ("bert", "XLMRobertaForSequenceClassification"),
+    "LlamaForCausalLM": ("decoder_pooling", "DecoderEmbeddingModel"),
+    "LlamaModel": ("decoder_pooling", "DecoderEmbeddingModel"),
+    "Qwen2ForCausalLM": ("decoder_pooling", "Qwen2EmbeddingModel"),
+    "Qwen2Model": ("decoder_pooling", "Qwen2EmbeddingModel"),
+    "Qwen3ForCausalLM": ("decoder_pooling", "Qwen3EmbeddingModel"),
+    "Qwen3Model": ("decoder_pooling", "Qwen3EmbeddingModel"),
+    "LlamaForSequenceClassification": ("decoder_pooling", "LlamaForSequenceClassification"),
+    "Qwen2ForSequenceClassification": ("decoder_pooling", "Qwen2ForSequenceClassification"),
+    "Qwen3ForSequenceClassification": ("decoder_pooling", "Qwen3ForSequenceClassification"),
+}
+
+
 def supported_architectures() -> list[str]:
     return sorted(_MODELS)
+
+
+def supported_pooling_architectures() -> list[str]:
+    return sorted(_POOLING_MODELS)
+
+
+def get_pooling_model_class(architecture: str, import_module: bool = True) -> type[nn.Module] | None:
+    """The pooling-model class for ``architecture``; ``ValueError`` naming the supported ones when it is
+    unknown."""
+    if architecture not in _POOLING_MODELS:
+        raise ValueError(
+            f"architecture {architecture!r} cannot run as a pooling model (runner='pooling'); supported: "
+            f"{', '.join(supported_pooling_architectures())}"
+        )
+    if not import_module:
+        return None
+    module_name, class_name = _POOLING_MODELS[architecture]
+    module = importlib.import_module(f"pagedllm.models.{module_name}")
+    return getattr(module, class_name)
 
 
 def get_model_class(architecture: str, import_module: bool = True) -> type[nn.Module] | None:

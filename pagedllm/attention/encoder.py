@@ -1,0 +1,64 @@
+"""Bidirectional attention for encoder (pooling) models: every token of a request sees every token of it.
+
+No KV cache: a pooling request runs its whole prompt in one step, so keys and values live only for that step.
+The step's ragged requests are padded into one ``[num_reqs, max_len]`` batch for PyTorch's scaled dot-product
+attention, with a key mask for the padding, then flattened back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PoolingBatch:
+    """The layout of one pooling step's flattened tokens (built once a step by the pooling runner), and what a
+    pooling model's forward reads besides token ids and positions."""
+
+    cu: np.ndarray  # [num_reqs + 1] int64, host: cumulative prompt lengths
+    max_len: int  # longest prompt this step
+    token_index: torch.Tensor  # [num_tokens] int64, device: flat row of each token in [num_reqs * max_len]
+    key_mask: torch.Tensor  # [num_reqs, 1, 1, max_len] bool, device: True where a key is a real token
+    token_type_ids: torch.Tensor | None = None  # [num_tokens] int64 (BERT's segment ids; None: all 0)
+    # Decoder models: their paged attention writes the step's keys into scratch caches (one per layer) and reads
+    # them back through this metadata; nothing is kept after the step.
+    kv_caches: list[torch.Tensor] | None = None
+    attn_metadata: Any = None  # AttentionMetadata
+
+    @classmethod
+    def build(cls, cu: np.ndarray, device: torch.device) -> PoolingBatch:
+        lens = np.diff(cu)  # [num_reqs]
+        max_len = int(lens.max())
+        num_reqs = len(lens)
+        owner = np.repeat(np.arange(num_reqs), lens)  # [num_tokens]
+        offset = np.arange(int(cu[-1])) - np.repeat(cu[:-1], lens)  # [num_tokens] position in its request
+        token_index = torch.from_numpy(owner * max_len + offset).to(device)
+        key_mask = torch.from_numpy(np.arange(max_len)[None, :] < lens[:, None]).to(device)  # [num_reqs, max_len]
+        return cls(cu, max_len, token_index, key_mask[:, None, None, :])
+
+
+def encoder_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    batch: PoolingBatch,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    num_tokens, num_heads, head_dim = query.shape
+    num_reqs = len(batch.cu) - 1
+
+    def padded(x: torch.Tensor) -> torch.Tensor:  # [num_tokens, H, D] -> [num_reqs, H, max_len, D]
+        out = x.new_zeros(num_reqs * batch.max_len, num_heads, head_dim)
+        out[batch.token_index] = x
+        return out.view(num_reqs, batch.max_len, num_heads, head_dim).transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(
+        padded(query), padded(key), padded(value), attn_mask=batch.key_mask, scale=scale
+    )  # [num_reqs, H, max_len, D]
+    out = out.transpose(1, 2).reshape(num_reqs * batch.max_len, num_heads, head_dim)
+    return out[batch.token_index]

@@ -1,0 +1,150 @@
+"""PoolingEngineCore: the engine core of a pooling model (embed / classify / score). Token ids in, one pooled
+vector per request out; no text, no threads, no KV cache.
+
+It has ``EngineCore``'s interface (``add_request`` / ``step`` / ``abort_requests`` / stats), so ``LLMEngine`` and
+the core process drive either. Scheduling is first come, first served under the same limits as generation
+(``SchedulerConfig``): a step takes waiting requests in arrival order while their prompts fit
+``max_num_batched_tokens`` and there are at most ``max_num_seqs`` of them. A pooling request needs its whole prompt
+in one step (its pooled output reads every token's hidden state), so a prompt is never chunked: one longer than
+the token budget (or ``max_model_len``) is refused when added, unless the front-end truncated it
+(``PoolingParams.truncate_prompt_tokens``). Every request finishes in the step that runs it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Any
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.sched_output import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from pagedllm.pooling.pooler import check_params
+from pagedllm.worker.cpu_threads import CpuThreadGovernor, apply_user_thread_setting
+from pagedllm.worker.pooling_runner import PoolingInput, PoolingRunner
+
+logger = logging.getLogger(__name__)
+
+
+def check_pooling_prompt(num_tokens: int, max_model_len: int, max_num_batched_tokens: int | None) -> None:
+    """``ValueError`` naming the limit when a pooling prompt of ``num_tokens`` tokens can never run."""
+    if num_tokens == 0:
+        raise ValueError("the prompt must not be empty")
+    hint = "; set truncate_prompt_tokens to truncate it"
+    if num_tokens > max_model_len:
+        raise ValueError(
+            f"the prompt ({num_tokens} tokens) is longer than the maximum model length of {max_model_len}{hint}"
+        )
+    if max_num_batched_tokens is not None and num_tokens > max_num_batched_tokens:
+        raise ValueError(
+            f"the prompt ({num_tokens} tokens) is longer than max_num_batched_tokens ({max_num_batched_tokens}): "
+            f"a pooling request runs its whole prompt in one step{hint}, or raise max_num_batched_tokens"
+        )
+
+
+class PoolingEngineCore:
+    def __init__(self, config: EngineConfig, tokenizer: Any = None) -> None:
+        self.config = config
+        self._cpu_threads: CpuThreadGovernor | None = None
+        if config.device_config.device.type == "cpu":
+            apply_user_thread_setting()
+            self._cpu_threads = CpuThreadGovernor()
+        config.scheduler_config.resolve_defaults(config.device_config.device)
+        self.max_num_tokens = config.scheduler_config.max_num_batched_tokens
+        self.max_num_seqs = config.scheduler_config.max_num_seqs
+        self.runner = PoolingRunner(config)
+        self.vocab_size = config.model_config.vocab_size
+        self.kv_cache_info: dict[str, Any] = {}
+        self.waiting: deque[EngineCoreRequest] = deque()
+        self.stats = SchedulerStats()
+        self._shut_down = False
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a tokenized pooling request; ``ValueError`` naming the field if it can never run (the front-end
+        checks this first)."""
+        params = request.pooling_params
+        if params is None:
+            raise ValueError(
+                "this model is a pooling model: it embeds, classifies or scores; it cannot generate text"
+            )
+        ids = request.prompt_token_ids
+        check_pooling_prompt(len(ids), self.config.model_config.max_model_len, self.max_num_tokens)
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise ValueError(f"prompt_token_ids must be in [0, {self.vocab_size}): token ids out of vocabulary")
+        check_params(params, self.config.model_config.pooler_config)
+        self.waiting.append(request)
+
+    def _schedule(self) -> list[EngineCoreRequest]:
+        batch: list[EngineCoreRequest] = []
+        num_tokens = 0
+        while self.waiting and len(batch) < self.max_num_seqs:
+            n = len(self.waiting[0].prompt_token_ids)
+            if num_tokens + n > self.max_num_tokens:
+                break
+            batch.append(self.waiting.popleft())
+            num_tokens += n
+        self.stats.num_prompt_tokens += num_tokens
+        return batch
+
+    def step(self) -> EngineCoreOutputs:
+        if self._cpu_threads is not None:
+            self._cpu_threads.maybe_update()
+        batch = self._schedule()
+        outputs: list[EngineCoreOutput] = []
+        if batch:
+            now = time.monotonic()
+            results = self.runner.execute(
+                [PoolingInput(r.request_id, r.prompt_token_ids, r.pooling_params, r.token_type_ids) for r in batch]
+            )
+            outputs = [
+                EngineCoreOutput(
+                    request_id=r.request_id,
+                    new_token_ids=[],
+                    finish_reason="stop",
+                    queue_time=max(0.0, now - r.arrival_time),
+                    pooling_output=results[r.request_id].tolist(),
+                )
+                for r in batch
+            ]
+        return EngineCoreOutputs(outputs=outputs, stats=self.get_stats(), timestamp=time.monotonic())
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        ids = set(request_ids)
+        self.waiting = deque(r for r in self.waiting if r.request_id not in ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting)
+
+    def get_stats(self) -> SchedulerStats:
+        self.stats.num_waiting_reqs = len(self.waiting)
+        return SchedulerStats(**self.stats.__dict__)
+
+    def check_integrity(self) -> None:
+        """Nothing to check: a pooling core holds no KV blocks."""
+
+    def on_idle(self) -> bool:
+        return True
+
+    def debug_state(self) -> dict:
+        return {"num_requests": len(self.waiting), "num_running": 0, "num_waiting": len(self.waiting)}
+
+    def reset_prefix_cache(self) -> bool:
+        return True
+
+    def list_loras(self) -> set[int]:
+        return set()
+
+    def add_lora(self, lora_request: Any) -> bool:
+        raise ValueError("lora_request: LoRA is not supported with a pooling model")
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return False
+
+    def shutdown(self) -> None:
+        if self._shut_down:
+            return
+        self._shut_down = True
+        self.waiting.clear()
+        if self._cpu_threads is not None:
+            self._cpu_threads.release()
+        self.runner.shutdown()

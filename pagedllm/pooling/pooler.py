@@ -1,0 +1,66 @@
+"""Poolers: one vector per request from a step's flattened hidden states, then the task's post-processing.
+
+A step's hidden states are ``[num_tokens, hidden_size]``, request i's tokens at rows ``cu[i]:cu[i + 1]``
+(``cu``: ``[num_reqs + 1]`` cumulative prompt lengths). Every request runs its whole prompt in one step, so
+CLS is row ``cu[i]``, LAST row ``cu[i + 1] - 1`` and MEAN the average over the request's rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagedllm.pooling.config import PoolerConfig
+from pagedllm.pooling.params import PoolingParams
+
+
+def pool_hidden(hidden: torch.Tensor, cu: np.ndarray, pooling_type: str) -> torch.Tensor:
+    """``hidden`` [num_tokens, H], ``cu`` [num_reqs + 1] -> [num_reqs, H] (the hidden dtype)."""
+    if pooling_type == "CLS":
+        return hidden[torch.from_numpy(cu[:-1].astype(np.int64)).to(hidden.device)]
+    if pooling_type == "LAST":
+        return hidden[torch.from_numpy(cu[1:].astype(np.int64) - 1).to(hidden.device)]
+    if pooling_type == "MEAN":
+        lens = torch.from_numpy(np.diff(cu).astype(np.int64)).to(hidden.device)  # [num_reqs]
+        owner = torch.repeat_interleave(torch.arange(len(lens), device=hidden.device), lens)  # [num_tokens]
+        sums = torch.zeros(len(lens), hidden.shape[1], dtype=torch.float32, device=hidden.device)
+        sums.index_add_(0, owner, hidden[: int(cu[-1])].float())
+        return (sums / lens[:, None]).to(hidden.dtype)
+    raise ValueError(f"unknown pooling type {pooling_type!r}")
+
+
+def check_params(params: PoolingParams, config: PoolerConfig) -> None:
+    """``ValueError`` naming the field when ``params`` cannot run on this model."""
+    task = params.task
+    if config.is_classifier and task == "embed":
+        raise ValueError("this model is a classifier: use classify or score, not embed (task 'embed')")
+    if not config.is_classifier and task == "classify":
+        raise ValueError("this model has no classification head: use embed, not classify (task 'classify')")
+    if params.dimensions is not None:
+        if not config.is_matryoshka:
+            raise ValueError(
+                "dimensions: this model does not support Matryoshka representation (its config.json sets no "
+                "is_matryoshka / matryoshka_dimensions), so its embeddings cannot be shortened"
+            )
+        allowed = config.matryoshka_dimensions
+        if allowed is not None and params.dimensions not in allowed:
+            raise ValueError(f"dimensions must be one of {allowed} for this model, got {params.dimensions}")
+
+
+def finish_pooled(pooled: torch.Tensor, params: PoolingParams, config: PoolerConfig) -> torch.Tensor:
+    """One request's pooled vector ([H], or [num_labels] logits for a classifier) -> what its task returns,
+    float32 on the host: an embedding (cut to ``dimensions``, normalized), class probabilities, or as is."""
+    out = pooled.float()
+    task = params.task
+    if task == "embed":
+        if params.dimensions is not None:
+            out = out[: params.dimensions]
+        normalize = config.normalize if params.normalize is None else params.normalize
+        if normalize:
+            out = torch.nn.functional.normalize(out, dim=-1)
+    elif task in ("classify", "score") and config.is_classifier:
+        if params.activation is not False:
+            out = torch.sigmoid(out) if out.shape[-1] == 1 else torch.softmax(out, dim=-1)
+    elif params.normalize:  # "encode": raw unless asked
+        out = torch.nn.functional.normalize(out, dim=-1)
+    return out.cpu()
