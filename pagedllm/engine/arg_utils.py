@@ -32,6 +32,13 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument(
+        "--runner",
+        default="auto",
+        choices=["auto", "generate", "pooling"],
+        help="generate text, or pool (embed / classify / score); auto: pooling for encoder and "
+        "sequence-classification architectures and sentence-transformers checkpoints",
+    )
+    parser.add_argument(
         "--quantization",
         "-q",
         default=None,
@@ -245,6 +252,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         max_cpu_loras=getattr(args, "max_cpu_loras", None),
         enable_sleep_mode=getattr(args, "enable_sleep_mode", False),
         worker_extension_cls=getattr(args, "worker_extension_cls", None),
+        runner=getattr(args, "runner", "auto"),
     )
 
 

@@ -39,8 +39,10 @@ from pagedllm.engine.output_processor import (
     OutputProcessor,
     RequestTimeline,
 )
+from pagedllm.engine.pooling_input import PoolingInputProcessor, PoolingPrompt
 from pagedllm.lora.request import LoRARequest
-from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
+from pagedllm.pooling.params import PoolingParams
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.tokenizer import get_tokenizer
 
@@ -99,6 +101,10 @@ class AsyncLLM:
         self._closed = False
         self._sleeping = False  # this front-end put the core to sleep: requests are refused until wake_up
         self.last_stats: SchedulerStats | None = None
+        # Pooling models: request id -> (prompt, future of its output); no output processor involved.
+        self.is_pooling = self.model_config.runner_type == "pooling"
+        self.pooling_processor: PoolingInputProcessor | None = None
+        self._pooling: dict[str, tuple[PoolingPrompt, asyncio.Future]] = {}
 
         def load_tokenizer() -> None:  # while the core process loads the model
             self.tokenizer = get_tokenizer(
@@ -106,6 +112,8 @@ class AsyncLLM:
             )
             self.input_processor = InputProcessor(self.model_config, self.tokenizer)
             self.output_processor = OutputProcessor(self.tokenizer)
+            if self.is_pooling:
+                self.pooling_processor = PoolingInputProcessor(config, self.tokenizer)
             if while_starting is not None:
                 while_starting()
 
@@ -213,6 +221,11 @@ class AsyncLLM:
         self._check_alive()
         if self._sleeping:
             raise EngineSleepingError("the engine is sleeping: wake it up (POST /wake_up) first")
+        if self.is_pooling:
+            raise ValueError(
+                "this model runs as a pooling model (runner='pooling'): it embeds, classifies or scores text and "
+                "cannot generate"
+            )
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         if lora_request is not None and self.config.lora_config is None:
@@ -279,6 +292,63 @@ class AsyncLLM:
         finally:
             stream.close()
 
+    async def encode(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams,
+        request_id: str,
+        text_pair: str | None = None,
+    ) -> PoolingRequestOutput:
+        """A pooling model's output for one prompt (``pooling_params.task`` set; ``text_pair``: the second text of
+        a cross-encoder pair). ``ValueError`` (naming the field) before anything is queued, or when the core
+        refuses it; ``EngineDeadError`` if the engine dies. Cancelling the call aborts the request."""
+        import torch
+
+        self._ensure_started()
+        self._check_alive()
+        if self.pooling_processor is None:
+            raise ValueError(
+                "this model generates text (runner='generate'): it has no pooling output; serve it with "
+                "--runner pooling to embed with it"
+            )
+        if request_id in self._pooling or request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in flight")
+        prompt_info, core_req = self.pooling_processor.process(
+            request_id, prompt, pooling_params, time.monotonic(), text_pair
+        )
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._pooling[request_id] = (prompt_info, future)
+        try:
+            self.engine_core.add_request(core_req)
+            data = await future
+        except BaseException:
+            entry = self._pooling.pop(request_id, None)
+            if entry is not None and not self.errored:  # still queued or running: drop it in the core
+                try:
+                    self.engine_core.abort_requests([request_id])
+                except EngineDeadError:
+                    pass
+            raise
+        return PoolingRequestOutput(
+            request_id,
+            PoolingOutput(torch.tensor(data, dtype=torch.float32)),
+            prompt_info.token_ids,
+            True,
+            prompt_info.prompt,
+        )
+
+    def _finish_pooling(self, outputs: list) -> list:
+        """Resolve the pooling requests among ``outputs``; return the others."""
+        rest = []
+        for out in outputs:
+            if out.pooling_output is None:
+                rest.append(out)
+                continue
+            entry = self._pooling.pop(out.request_id, None)
+            if entry is not None and not entry[1].done():
+                entry[1].set_result(out.pooling_output)
+        return rest
+
     async def abort(self, request_id: str | list[str]) -> None:
         """Abort requests by id; their ``generate`` iterators end with a final output (finish_reason "abort")."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
@@ -330,6 +400,8 @@ class AsyncLLM:
                 queued_times = outputs.queued_times
                 if queued_times:
                     self.output_processor.record_queued_times(queued_times)
+                if outputs.outputs and self._pooling:
+                    outputs.outputs = self._finish_pooling(outputs.outputs)
                 if outputs.outputs:
                     processed = self.output_processor.process_outputs(
                         outputs.outputs, outputs.timestamp or None
@@ -369,6 +441,11 @@ class AsyncLLM:
     def _fail_requests(self, errors: dict[str, str]) -> None:
         """The core refused these core requests (ValueError): fail their parents, abort their siblings."""
         for child_id, message in errors.items():
+            pooling = self._pooling.pop(child_id, None)
+            if pooling is not None:
+                if not pooling[1].done():
+                    pooling[1].set_exception(ValueError(message))
+                continue
             parent = self._child_to_parent.get(child_id)
             if parent is None:
                 continue
@@ -379,6 +456,10 @@ class AsyncLLM:
                 entry.queue.put_nowait(ValueError(message))
 
     def _fail_all(self, error: BaseException) -> None:
+        for _, future in self._pooling.values():
+            if not future.done():
+                future.set_exception(error)
+        self._pooling.clear()
         for request_id, entry in list(self._requests.items()):
             self.output_processor.abort_requests([request_id])
             entry.queue.put_nowait(error)
@@ -494,6 +575,10 @@ class AsyncLLM:
         err = EngineDeadError("the engine is shut down")
         for entry in self._requests.values():
             entry.queue.put_nowait(err)
+        for _, future in self._pooling.values():
+            if not future.done():
+                future.set_exception(err)
+        self._pooling.clear()
         if self._dead_event is not None:
             self._dead_event.set()
 

@@ -62,6 +62,7 @@ from pagedllm.engine import core_launch
 logger = logging.getLogger(__name__)
 
 DEFAULT_ENGINE_CORE = core_launch.DEFAULT_ENGINE_CORE
+POOLING_ENGINE_CORE = "pagedllm.engine.pooling_core:PoolingEngineCore"
 
 # The calls ``call_utility_async`` may make, run between steps: EngineCore methods, plus three answered by the loop.
 _UTILITIES = (
@@ -243,6 +244,8 @@ def run_engine_core(
             if device.type == "cuda" and device.index is not None:
                 # Triton launches on the current device: a data-parallel rank's process works on cuda:<rank>.
                 torch.cuda.set_device(device)
+            if core_cls_path == DEFAULT_ENGINE_CORE and config.model_config.runner_type == "pooling":
+                core_cls_path = POOLING_ENGINE_CORE  # the same loop drives a pooling model's core
             core = _load_class(core_cls_path)(config)
         except Exception as e:  # noqa: BLE001 - reported to the API process, which raises it
             logger.error("engine core failed to start:\n%s", traceback.format_exc())

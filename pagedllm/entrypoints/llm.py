@@ -23,31 +23,10 @@ from pagedllm.outputs import (
     ScoringRequestOutput,
 )
 from pagedllm.pooling.params import PoolingParams
+from pagedllm.pooling.score import score_pairs
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 ChatMessages = list[dict[str, Any]]
-
-
-def score_pairs(data_1: str | Sequence[str], data_2: str | Sequence[str]) -> list[tuple[str, str]]:
-    """vLLM's pairing for ``score``: one text against each of a list (either side), or two lists pairwise
-    (``ValueError`` on lists of different lengths, empty input or a non-string)."""
-    side_1 = [data_1] if isinstance(data_1, str) else list(data_1)
-    side_2 = [data_2] if isinstance(data_2, str) else list(data_2)
-    for name, side in (("data_1", side_1), ("data_2", side_2)):
-        if not side:
-            raise ValueError(f"{name} must not be empty")
-        if not all(isinstance(t, str) for t in side):
-            raise ValueError(f"{name} must be a string or a list of strings")
-    if len(side_1) == 1:
-        side_1 = side_1 * len(side_2)
-    elif len(side_2) == 1:
-        side_2 = side_2 * len(side_1)
-    if len(side_1) != len(side_2):
-        raise ValueError(
-            f"data_1 and data_2 must have the same length, or one of them one text: got {len(side_1)} and "
-            f"{len(side_2)}"
-        )
-    return list(zip(side_1, side_2))
 
 
 class LLM:

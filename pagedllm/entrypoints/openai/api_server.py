@@ -1,10 +1,11 @@
 """`pagedllm serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn) in front of an ``AsyncLLM``.
 
 Endpoints: /v1/models, /v1/completions, /v1/chat/completions, /v1/responses (and GET /v1/responses/{id}),
-/tokenize, /detokenize, /health, /version,
-/metrics, and with ``--enable-debug-endpoints`` /debug/integrity plus vLLM's development endpoints for RL
-rollout engines (/sleep, /wake_up, /is_sleeping, /reset_prefix_cache, /collective_rpc); vLLM's
-``VLLM_SERVER_DEV_MODE=1`` turns them on too. Everything but /health, /version and /metrics
+/tokenize, /detokenize, /health, /version, /metrics; for a pooling model /v1/embeddings, /pooling, /classify,
+/score (/v1/score), /rerank (/v1/rerank, /v2/rerank) instead of the generation endpoints; with
+``--enable-debug-endpoints`` /debug/integrity plus vLLM's development endpoints for RL rollout engines (/sleep,
+/wake_up, /is_sleeping, /reset_prefix_cache, /collective_rpc); vLLM's ``VLLM_SERVER_DEV_MODE=1`` turns them on
+too. Everything but /health, /version and /metrics
 needs the API key when one is set (compared in constant time). Request bodies are bounded (``--max-request-body-bytes``) before any parsing.
 
 Life cycle (``serve_cli``, the command's light entry point): the port is bound first (a busy port fails fast), then
@@ -44,6 +45,13 @@ from pagedllm.entrypoints.openai.protocol import (
     ResponsesRequest,
     TokenizeRequest,
 )
+from pagedllm.entrypoints.openai.protocol_pooling import (
+    ClassificationRequest,
+    EmbeddingRequest,
+    PoolingRequest,
+    RerankRequest,
+    ScoreRequest,
+)
 from pagedllm.entrypoints.openai.serve_cli import (  # noqa: F401 (the CLI's names, re-exported)
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     add_cli_args,
@@ -59,6 +67,7 @@ from pagedllm.entrypoints.openai.serving_responses import (
     OpenAIServingResponses,
     ResponseStore,
 )
+from pagedllm.entrypoints.openai.serving_score import OpenAIServingScore
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -218,7 +227,17 @@ def build_app(
     completion = OpenAIServingCompletion(engine, served_model_names, **serving_kwargs)
     chat = OpenAIServingChat(engine, served_model_names, **serving_kwargs)
     responses = OpenAIServingResponses(chat, ResponseStore(responses_store_size))
+    pooling = OpenAIServingScore(engine, served_model_names, models=models)
     model_config = engine.model_config
+    is_pooling = getattr(model_config, "runner_type", "generate") == "pooling"
+
+    def check_generates(endpoint: str) -> None:
+        if is_pooling:
+            raise bad_request(
+                f"{endpoint} generates text, but this server's model is a pooling model (embeddings, "
+                "classification or scoring): use /v1/embeddings, /pooling, /classify, /score or /rerank",
+                "model",
+            )
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, exc: OpenAIError) -> Response:
@@ -296,12 +315,14 @@ def build_app(
     async def create_completion(raw_request: Request) -> Response:
         arrival_time = time.monotonic()
         req = parse_body(await raw_request.body(), CompletionRequest)
+        check_generates("/v1/completions")
         return await completion.create_completion(req, raw_request, arrival_time)
 
     @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def create_chat_completion(raw_request: Request) -> Response:
         arrival_time = time.monotonic()
         req = parse_body(await raw_request.body(), ChatCompletionRequest)
+        check_generates("/v1/chat/completions")
         return await chat.create_chat_completion(req, raw_request, arrival_time)
 
     @app.post("/v1/responses", openapi_extra=_body_schema(ResponsesRequest))
@@ -313,6 +334,33 @@ def build_app(
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str) -> JSONResponse:
         return JSONResponse(responses.retrieve(response_id))
+    @app.post("/v1/embeddings", openapi_extra=_body_schema(EmbeddingRequest))
+    async def create_embedding(raw_request: Request) -> Response:
+        req = parse_body(await raw_request.body(), EmbeddingRequest)
+        return await pooling.create_embedding(req, raw_request)
+
+    @app.post("/pooling", openapi_extra=_body_schema(PoolingRequest))
+    async def create_pooling(raw_request: Request) -> Response:
+        req = parse_body(await raw_request.body(), PoolingRequest)
+        return await pooling.create_pooling(req, raw_request)
+
+    @app.post("/classify", openapi_extra=_body_schema(ClassificationRequest))
+    async def create_classify(raw_request: Request) -> Response:
+        req = parse_body(await raw_request.body(), ClassificationRequest)
+        return await pooling.create_classify(req, raw_request)
+
+    async def create_score(raw_request: Request) -> Response:
+        req = parse_body(await raw_request.body(), ScoreRequest)
+        return await pooling.create_score(req, raw_request)
+
+    async def create_rerank(raw_request: Request) -> Response:
+        req = parse_body(await raw_request.body(), RerankRequest)
+        return await pooling.create_rerank(req, raw_request)
+
+    for path in ("/score", "/v1/score"):
+        app.add_api_route(path, create_score, methods=["POST"], openapi_extra=_body_schema(ScoreRequest))
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        app.add_api_route(path, create_rerank, methods=["POST"], openapi_extra=_body_schema(RerankRequest))
 
     @app.post("/tokenize", openapi_extra=_body_schema(TokenizeRequest))
     async def tokenize(raw_request: Request) -> JSONResponse:
@@ -358,7 +406,19 @@ def build_app(
         _add_rollout_endpoints(app, engine)
 
     _install_openapi_schemas(
-        app, [CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest]
+        app,
+        [
+            CompletionRequest,
+            ChatCompletionRequest,
+            ResponsesRequest,
+            TokenizeRequest,
+            DetokenizeRequest,
+            EmbeddingRequest,
+            PoolingRequest,
+            ClassificationRequest,
+            ScoreRequest,
+            RerankRequest,
+        ],
     )
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
     if api_key:
