@@ -443,6 +443,11 @@ class LLM:
         prompts = list(prompts)
         if not prompts:
             raise ValueError("prompts must not be empty")
+        if any(isinstance(p, str) for p in prompts) and any(isinstance(p, (list, tuple)) for p in prompts):
+            raise ValueError(
+                "prompts mixes strings and token-id lists in one batch; give all strings or all token-id lists "
+                "(or {'prompt': ...} / {'prompt_token_ids': [...]} dicts)"
+            )
         return prompts
 
     @staticmethod

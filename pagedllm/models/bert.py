@@ -48,7 +48,7 @@ class BertEmbeddings(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor | None
     ) -> torch.Tensor:  # [T] -> [T, hidden_size]
-        if token_type_ids is None:
+        if token_type_ids is None or self.token_type_embeddings.num_embeddings == 1:  # XLM-R: one segment
             token_type_ids = torch.zeros_like(input_ids)
         x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)
         x = x + self.position_embeddings(positions)

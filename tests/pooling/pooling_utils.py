@@ -24,9 +24,26 @@ TEXTS = [
 ]
 
 
-def _tokenizer():
+def _tokenizer(pair_type_ids: bool = False):
+    """The tests' tokenizer without its chat template; ``pair_type_ids``: a text pair's second text gets segment
+    id 1 (as BERT's ``[CLS] A [SEP] B [SEP]``), so ``token_type_ids`` matter."""
     tokenizer = train_tiny_tokenizer()
     tokenizer.chat_template = None
+    if pair_type_ids:
+        from tokenizers import processors
+        from transformers import PreTrainedTokenizerFast
+
+        backend = tokenizer.backend_tokenizer
+        bos, eos = tokenizer.bos_token, tokenizer.eos_token
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A {eos}",
+            pair=f"{bos} $A {eos} $B:1 {eos}:1",
+            special_tokens=[(bos, tokenizer.bos_token_id), (eos, tokenizer.eos_token_id)],
+        )
+        tokenizer = PreTrainedTokenizerFast(
+            tokenizer_object=backend, bos_token=bos, eos_token=eos, pad_token=tokenizer.pad_token,
+            model_input_names=["input_ids", "token_type_ids", "attention_mask"],
+        )
     return tokenizer
 
 
@@ -103,11 +120,14 @@ def make_st_embedder(arch: str, path: str | Path, pooling_mode: str, normalize: 
     return str(path / "st")
 
 
-def make_classifier(arch: str, path: str | Path, num_labels: int = 1, **overrides) -> str:
-    """A ``*ForSequenceClassification`` checkpoint (``arch``: xlm-roberta, bert, qwen3, llama)."""
+def make_classifier(
+    arch: str, path: str | Path, num_labels: int = 1, pair_type_ids: bool = False, **overrides
+) -> str:
+    """A ``*ForSequenceClassification`` checkpoint (``arch``: xlm-roberta, bert, qwen3, llama); ``pair_type_ids``:
+    its tokenizer gives a pair's second text segment id 1 (a BERT cross-encoder's)."""
     from transformers import AutoModelForSequenceClassification
 
-    tokenizer = _tokenizer()
+    tokenizer = _tokenizer(pair_type_ids)
     config = _config(arch, tokenizer, num_labels=num_labels, **overrides)
     model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
     _randomize(model, sum(arch.encode()) + num_labels)

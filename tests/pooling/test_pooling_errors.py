@@ -64,6 +64,35 @@ def test_too_long_refused_or_truncated(llm) -> None:
         llm.embed(long_text, PoolingParams(truncate_prompt_tokens=-1), use_tqdm=False)
 
 
+def test_mixed_batch_of_strings_and_token_ids(llm) -> None:
+    with pytest.raises(ValueError, match="mixes strings and token-id lists"):
+        llm.embed([TEXTS[0], [3, 4, 5]], use_tqdm=False)
+    outs = llm.embed([{"prompt": TEXTS[0]}, {"prompt_token_ids": [0, 3, 4, 5]}], use_tqdm=False)  # dicts: fine
+    assert outs[1].prompt_token_ids == [0, 3, 4, 5]
+
+
+def test_options_a_pooling_model_does_not_take(embedder) -> None:
+    for kwargs, field in (
+        ({"enable_lora": True}, "enable_lora"),
+        ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+        ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "speculative_config"),
+    ):
+        with pytest.raises(ValueError, match=field):
+            LLM(embedder, **kwargs)
+
+
+def test_sentence_transformers_max_seq_length_caps_context(embedder, tmp_path) -> None:
+    import shutil
+
+    from pagedllm.config import ModelConfig
+
+    path = tmp_path / "capped"
+    shutil.copytree(embedder, path)
+    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 32}))
+    assert ModelConfig(str(path)).max_model_len == 32
+    assert ModelConfig(embedder).max_model_len == 128
+
+
 def test_token_ids_out_of_vocabulary(llm) -> None:
     with pytest.raises(ValueError, match="vocabulary"):
         llm.embed([[1, 2, 10**6]], use_tqdm=False)

@@ -87,7 +87,9 @@ def test_bare_qwen3_model_defaults_to_last_token(tmp_path) -> None:
 
 @pytest.mark.parametrize("arch", ["xlm-roberta", "bert"])
 def test_cross_encoder_score_and_classify(tmp_path, arch: str) -> None:
-    path = make_classifier(arch, tmp_path / arch, num_labels=1)
+    """A BERT cross-encoder's tokenizer gives the second text of a pair segment id 1: token_type_ids reach the
+    model."""
+    path = make_classifier(arch, tmp_path / arch, num_labels=1, pair_type_ids=arch == "bert")
     query, docs = TEXTS[1], TEXTS[:4] + TEXTS[5:]
     with LLM(path, max_num_batched_tokens=BUDGET * 2, max_num_seqs=2) as llm:
         assert llm.llm_engine.config.model_config.runner_type == "pooling"  # chosen from the architecture
