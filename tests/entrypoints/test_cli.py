@@ -237,3 +237,19 @@ def test_serve_builds_its_engine_with_the_server_batch_defaults(tiny_llama, monk
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
     sched.resolve_defaults(torch.device("cuda", 0))
     assert (sched.max_num_batched_tokens, sched.max_num_seqs) == (8192, 1024)
+
+
+def test_runner_flag_reaches_the_engine_config(tiny_llama):
+    """--runner pooling serves a causal-LM checkpoint as a last-token embedder; bad values are refused."""
+    from pagedllm.config import make_engine_config
+    from pagedllm.engine.arg_utils import add_engine_args, engine_kwargs_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    kw = engine_kwargs_from_args(parser.parse_args(["--model", tiny_llama, "--device", "cpu"]))
+    assert make_engine_config(tiny_llama, **kw).model_config.runner_type == "generate"
+    kw = engine_kwargs_from_args(parser.parse_args(["--model", tiny_llama, "--device", "cpu", "--runner", "pooling"]))
+    pooler = make_engine_config(tiny_llama, **kw).model_config.pooler_config
+    assert (pooler.pooling_type, pooler.normalize, pooler.is_classifier) == ("LAST", True, False)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--runner", "embed"])

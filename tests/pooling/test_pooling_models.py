@@ -33,14 +33,21 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         "bert-mean": make_st_embedder("bert", root / "bert-mean", "mean"),
         "bert-cls": make_st_embedder("bert", root / "bert-cls", "cls"),
         "bert-mean-raw": make_st_embedder("bert", root / "bert-mean-raw", "mean", normalize=False),
+        "bert-last": make_st_embedder("bert", root / "bert-last", "lasttoken"),
         "xlm-roberta-cls": make_st_embedder("xlm-roberta", root / "xlmr-cls", "cls"),
+        "xlm-roberta-mean": make_st_embedder("xlm-roberta", root / "xlmr-mean", "mean"),
         "qwen3-last": make_st_embedder("qwen3", root / "qwen3-last", "lasttoken"),
+        "qwen3-mean": make_st_embedder("qwen3", root / "qwen3-mean", "mean"),
         "qwen2-last": make_st_embedder("qwen2", root / "qwen2-last", "lasttoken"),
+        "llama-cls": make_st_embedder("llama", root / "llama-cls", "cls"),
     }
 
 
-@pytest.mark.parametrize("name", ["bert-mean", "bert-cls", "bert-mean-raw", "xlm-roberta-cls", "qwen3-last",
-                                  "qwen2-last"])
+EMBEDDERS = ["bert-mean", "bert-cls", "bert-mean-raw", "bert-last", "xlm-roberta-cls", "xlm-roberta-mean",
+             "qwen3-last", "qwen3-mean", "qwen2-last", "llama-cls"]
+
+
+@pytest.mark.parametrize("name", EMBEDDERS)
 def test_embed_matches_sentence_transformers(models: dict[str, str], name: str) -> None:
     path = models[name]
     with LLM(path, max_num_batched_tokens=BUDGET, max_num_seqs=4) as llm:
