@@ -400,7 +400,7 @@ class AsyncLLM:
                 queued_times = outputs.queued_times
                 if queued_times:
                     self.output_processor.record_queued_times(queued_times)
-                if outputs.outputs and self._pooling:
+                if outputs.outputs and self.is_pooling:
                     outputs.outputs = self._finish_pooling(outputs.outputs)
                 if outputs.outputs:
                     processed = self.output_processor.process_outputs(

@@ -19,27 +19,12 @@ from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from pagedllm.pooling.params import check_pooling_prompt
 from pagedllm.pooling.pooler import check_params
 from pagedllm.worker.cpu_threads import CpuThreadGovernor, apply_user_thread_setting
 from pagedllm.worker.pooling_runner import PoolingInput, PoolingRunner
 
 logger = logging.getLogger(__name__)
-
-
-def check_pooling_prompt(num_tokens: int, max_model_len: int, max_num_batched_tokens: int | None) -> None:
-    """``ValueError`` naming the limit when a pooling prompt of ``num_tokens`` tokens can never run."""
-    if num_tokens == 0:
-        raise ValueError("the prompt must not be empty")
-    hint = "; set truncate_prompt_tokens to truncate it"
-    if num_tokens > max_model_len:
-        raise ValueError(
-            f"the prompt ({num_tokens} tokens) is longer than the maximum model length of {max_model_len}{hint}"
-        )
-    if max_num_batched_tokens is not None and num_tokens > max_num_batched_tokens:
-        raise ValueError(
-            f"the prompt ({num_tokens} tokens) is longer than max_num_batched_tokens ({max_num_batched_tokens}): "
-            f"a pooling request runs its whole prompt in one step{hint}, or raise max_num_batched_tokens"
-        )
 
 
 class PoolingEngineCore:

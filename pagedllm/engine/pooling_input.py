@@ -9,8 +9,7 @@ from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import EngineCoreRequest
-from pagedllm.engine.pooling_core import check_pooling_prompt
-from pagedllm.pooling.params import PoolingParams
+from pagedllm.pooling.params import PoolingParams, check_pooling_prompt
 from pagedllm.pooling.pooler import check_params
 
 

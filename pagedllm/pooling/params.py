@@ -61,3 +61,19 @@ class PoolingParams:
         if task not in ("embed",) and self.dimensions is not None:
             raise ValueError(f"dimensions applies to embeddings only, not to task {task!r}")
         return params
+
+
+def check_pooling_prompt(num_tokens: int, max_model_len: int, max_num_batched_tokens: int | None) -> None:
+    """``ValueError`` naming the limit when a pooling prompt of ``num_tokens`` tokens can never run."""
+    if num_tokens == 0:
+        raise ValueError("the prompt must not be empty")
+    hint = "; set truncate_prompt_tokens to truncate it"
+    if num_tokens > max_model_len:
+        raise ValueError(
+            f"the prompt ({num_tokens} tokens) is longer than the maximum model length of {max_model_len}{hint}"
+        )
+    if max_num_batched_tokens is not None and num_tokens > max_num_batched_tokens:
+        raise ValueError(
+            f"the prompt ({num_tokens} tokens) is longer than max_num_batched_tokens ({max_num_batched_tokens}): "
+            f"a pooling request runs its whole prompt in one step{hint}, or raise max_num_batched_tokens"
+        )
