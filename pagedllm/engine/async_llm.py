@@ -298,6 +298,7 @@ class AsyncLLM:
         pooling_params: PoolingParams,
         request_id: str,
         text_pair: str | None = None,
+        priority: int = 0,
     ) -> PoolingRequestOutput:
         """A pooling model's output for one prompt (``pooling_params.task`` set; ``text_pair``: the second text of
         a cross-encoder pair). ``ValueError`` (naming the field) before anything is queued, or when the core
@@ -314,7 +315,7 @@ class AsyncLLM:
         if request_id in self._pooling or request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         prompt_info, core_req = self.pooling_processor.process(
-            request_id, prompt, pooling_params, time.monotonic(), text_pair
+            request_id, prompt, pooling_params, time.monotonic(), text_pair, priority
         )
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         self._pooling[request_id] = (prompt_info, future)

@@ -114,6 +114,7 @@ class LLMEngine:
         params: PoolingParams,
         arrival_time: float | None = None,
         text_pair: str | None = None,
+        priority: int = 0,
     ) -> tuple[PoolingPrompt, EngineCoreRequest]:
         """Validate and tokenize one pooling request (``params.task`` set) without queueing it; ``ValueError``
         naming the field. ``text_pair``: the second text of a cross-encoder pair."""
@@ -124,7 +125,7 @@ class LLMEngine:
                 "runner='pooling' to embed with it"
             )
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        return self.pooling_processor.process(request_id, prompt, params, arrival_time, text_pair)
+        return self.pooling_processor.process(request_id, prompt, params, arrival_time, text_pair, priority)
 
     def add_processed_pooling_request(self, prompt: PoolingPrompt, request: EngineCoreRequest) -> None:
         if request.request_id in self._pooling_prompts:
@@ -139,10 +140,11 @@ class LLMEngine:
         params: PoolingParams,
         arrival_time: float | None = None,
         text_pair: str | None = None,
+        priority: int = 0,
     ) -> None:
         """``process_pooling_request``, then queue it."""
         self.add_processed_pooling_request(
-            *self.process_pooling_request(request_id, prompt, params, arrival_time, text_pair)
+            *self.process_pooling_request(request_id, prompt, params, arrival_time, text_pair, priority)
         )
 
     def _pooling_step(self) -> list[PoolingRequestOutput]:

@@ -3,8 +3,9 @@ vector per request out; no text, no threads, no KV cache.
 
 It has ``EngineCore``'s interface (``add_request`` / ``step`` / ``abort_requests`` / stats), so ``LLMEngine`` and
 the core process drive either. Scheduling is first come, first served under the same limits as generation
-(``SchedulerConfig``): a step takes waiting requests in arrival order while their prompts fit
-``max_num_batched_tokens`` and there are at most ``max_num_seqs`` of them. A pooling request needs its whole prompt
+(``SchedulerConfig``) and in the same order (the scheduler's ``WaitingQueue``: arrival order, or priority then
+arrival with ``scheduling_policy="priority"``): a step takes waiting requests from the head of the queue while
+their prompts fit ``max_num_batched_tokens`` and there are at most ``max_num_seqs`` of them. A pooling request needs its whole prompt
 in one step (its pooled output reads every token's hidden state), so a prompt is never chunked: one longer than
 the token budget (or ``max_model_len``) is refused when added, unless the front-end truncated it
 (``PoolingParams.truncate_prompt_tokens``). Every request finishes in the step that runs it.
@@ -14,11 +15,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from pagedllm.core.scheduler import WaitingQueue
 from pagedllm.pooling.params import check_pooling_prompt
 from pagedllm.pooling.pooler import check_params
 from pagedllm.worker.cpu_threads import CpuThreadGovernor, apply_user_thread_setting
@@ -40,7 +41,8 @@ class PoolingEngineCore:
         self.runner = PoolingRunner(config)
         self.vocab_size = config.model_config.vocab_size
         self.kv_cache_info: dict[str, Any] = {}
-        self.waiting: deque[EngineCoreRequest] = deque()
+        self.waiting = WaitingQueue(config.scheduler_config.policy)
+        self.requests: dict[str, EngineCoreRequest] = {}  # the waiting ones, by id
         self.stats = SchedulerStats()
         self._shut_down = False
 
@@ -57,16 +59,21 @@ class PoolingEngineCore:
         if min(ids) < 0 or max(ids) >= self.vocab_size:
             raise ValueError(f"prompt_token_ids must be in [0, {self.vocab_size}): token ids out of vocabulary")
         check_params(params, self.config.model_config.pooler_config)
-        self.waiting.append(request)
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in flight")
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
 
     def _schedule(self) -> list[EngineCoreRequest]:
         batch: list[EngineCoreRequest] = []
         num_tokens = 0
         while self.waiting and len(batch) < self.max_num_seqs:
-            n = len(self.waiting[0].prompt_token_ids)
+            n = len(self.waiting.peek().prompt_token_ids)
             if num_tokens + n > self.max_num_tokens:
-                break
-            batch.append(self.waiting.popleft())
+                break  # the head waits for the next step; nothing behind it jumps ahead
+            request = self.waiting.pop()
+            del self.requests[request.request_id]
+            batch.append(request)
             num_tokens += n
         self.stats.num_prompt_tokens += num_tokens
         return batch
@@ -94,8 +101,10 @@ class PoolingEngineCore:
         return EngineCoreOutputs(outputs=outputs, stats=self.get_stats(), timestamp=time.monotonic())
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        ids = set(request_ids)
-        self.waiting = deque(r for r in self.waiting if r.request_id not in ids)
+        for req_id in request_ids:
+            request = self.requests.pop(req_id, None)
+            if request is not None:
+                self.waiting.remove(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting)
@@ -111,7 +120,7 @@ class PoolingEngineCore:
         return True
 
     def debug_state(self) -> dict:
-        return {"num_requests": len(self.waiting), "num_running": 0, "num_waiting": len(self.waiting)}
+        return {"num_requests": len(self.requests), "num_running": 0, "num_waiting": len(self.waiting)}
 
     def reset_prefix_cache(self) -> bool:
         return True
@@ -129,7 +138,8 @@ class PoolingEngineCore:
         if self._shut_down:
             return
         self._shut_down = True
-        self.waiting.clear()
+        self.waiting = WaitingQueue(self.config.scheduler_config.policy)
+        self.requests.clear()
         if self._cpu_threads is not None:
             self._cpu_threads.release()
         self.runner.shutdown()

@@ -98,8 +98,10 @@ class PoolingInputProcessor:
         params: PoolingParams,
         arrival_time: float,
         text_pair: str | None = None,
+        priority: int = 0,
     ) -> tuple[PoolingPrompt, EngineCoreRequest]:
-        """Validate ``params`` against the model and tokenize; ``ValueError`` naming the field, nothing queued."""
+        """Validate ``params`` against the model and tokenize; ``ValueError`` naming the field, nothing queued.
+        ``priority``: its place under ``scheduling_policy="priority"`` (lower first), as for generation."""
         if not isinstance(params, PoolingParams):
             raise ValueError(f"pooling_params must be PoolingParams, got {type(params).__name__}")
         check_params(params, self.config.model_config.pooler_config)
@@ -110,6 +112,7 @@ class PoolingInputProcessor:
             sampling_params=None,
             eos_token_id=None,
             arrival_time=arrival_time,
+            priority=priority,
             pooling_params=params,
             token_type_ids=p.token_type_ids,
         )

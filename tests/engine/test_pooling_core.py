@@ -53,6 +53,21 @@ def test_steps_respect_budget_and_order(embedder) -> None:
     core.shutdown()
 
 
+def test_priority_policy(embedder) -> None:
+    """scheduling_policy='priority': lower priority values first, then arrival, as for generation."""
+    config = make_engine_config(embedder, max_num_batched_tokens=16, max_num_seqs=2, scheduling_policy="priority")
+    core = PoolingEngineCore(config)
+    for req_id, priority, arrival in (("late", 1, 0.0), ("urgent", -1, 2.0), ("mid", 0, 1.0), ("mid2", 0, 3.0)):
+        request = _request(req_id, 5)
+        request.priority, request.arrival_time = priority, arrival
+        core.add_request(request)
+    order = []
+    while core.has_unfinished_requests():
+        order.append([o.request_id for o in core.step().outputs])
+    assert order == [["urgent", "mid"], ["mid2", "late"]]
+    core.shutdown()
+
+
 def test_refusals(embedder) -> None:
     core = PoolingEngineCore(make_engine_config(embedder, max_model_len=16, max_num_batched_tokens=12))
     with pytest.raises(ValueError, match="cannot generate"):
