@@ -593,12 +593,16 @@ async def run_server(
         watchdog = asyncio.create_task(watch_engine())
         info = engine.kv_cache_info
         host, port = sock.getsockname()[:2]
-        print(
-            f"pagedllm: KV cache: {info.get('num_blocks')} blocks of {info.get('block_size')} tokens "
-            f"({info.get('num_tokens')} tokens); maximum concurrency for {config.model_config.max_model_len}-token "
-            f"requests: {info.get('max_concurrency', 0):.2f}x",
-            flush=True,
-        )
+        if config.model_config.runner_type != "pooling":  # a pooling model keeps no KV cache
+            print(
+                f"pagedllm: KV cache: {info.get('num_blocks')} blocks of {info.get('block_size')} tokens "
+                f"({info.get('num_tokens')} tokens); maximum concurrency for "
+                f"{config.model_config.max_model_len}-token requests: {info.get('max_concurrency', 0):.2f}x",
+                flush=True,
+            )
+        else:
+            print(f"pagedllm: pooling model ({config.model_config.pooler_config.pooling_type} pooling), no KV cache",
+                  flush=True)
         print(
             f"pagedllm: serving {', '.join(served_model_names)} on http://{host}:{port}"
             f"{' (API key required)' if api_key else ''} (engine core pid {engine.engine_core.pid})",
