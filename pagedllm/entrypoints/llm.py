@@ -33,6 +33,8 @@ class LLM:
     """Generate text for batches of prompts with continuous batching over a paged KV cache.
 
     ``model=None`` loads the bundled demo model. Keyword arguments carry vLLM's names and defaults.
+    ``runner="pooling"`` (automatic for encoders, sequence classifiers and sentence-transformers checkpoints) makes
+    it a pooling model: ``embed`` / ``classify`` / ``score`` / ``encode`` instead of ``generate``.
 
     ``shutdown()`` releases the engine's worker processes, torch.distributed groups, device memory and threads,
     so that another ``LLM`` (tensor- or pipeline-parallel too) can start in this process; ``with LLM(...) as llm:``

@@ -54,6 +54,8 @@ class PoolingParams:
 
     def with_task(self, task: str) -> PoolingParams:
         """A copy for ``task``; ``ValueError`` when these params were made for another task."""
+        if task not in POOLING_TASKS:
+            raise ValueError(f"pooling_task must be one of {', '.join(POOLING_TASKS)}, got {task!r}")
         if self.task is not None and self.task != task:
             raise ValueError(f"pooling_params.task is {self.task!r} but this call runs {task!r}")
         params = self.clone()

@@ -117,6 +117,15 @@ def test_wrong_task_for_model(llm, tmp_path) -> None:
         LLM(cls_path, runner="embedding")
 
 
+def test_bad_pooling_task_and_params(llm) -> None:
+    with pytest.raises(ValueError, match="pooling_task"):
+        llm.encode(TEXTS[0], pooling_task="generate", use_tqdm=False)
+    with pytest.raises(ValueError, match="pooling_params.task"):
+        llm.embed(TEXTS[0], PoolingParams(task="classify"), use_tqdm=False)
+    with pytest.raises(ValueError, match="pooling_params has 1 entries"):
+        llm.embed(TEXTS[:2], [PoolingParams()], use_tqdm=False)
+
+
 def test_score_pairing_errors(llm) -> None:
     with pytest.raises(ValueError, match="same length"):
         llm.score(TEXTS[:2], TEXTS[:3], use_tqdm=False)
