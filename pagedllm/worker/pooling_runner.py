@@ -110,6 +110,7 @@ class PoolingRunner:
             batch.attn_metadata = self._decoder_metadata(lens, cu)
         hidden = self.model(input_ids, positions, batch)  # [num_tokens, hidden_size]
         pooled = self.model.head(pool_hidden(hidden, cu, self.pooler_config.pooling_type))  # [num_reqs, D]
+        pooled = pooled.float().cpu()  # one copy to the host for the whole step
         return {x.req_id: finish_pooled(pooled[i], x.params, self.pooler_config) for i, x in enumerate(inputs)}
 
     def shutdown(self) -> None:
