@@ -11,6 +11,8 @@ import numpy as np
 import openai
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.entrypoints.server_utils import RemoteServer
 from tests.pooling.pooling_utils import (
@@ -172,3 +174,28 @@ def test_embeddings_on_generator_is_400(server, model) -> None:
     message = _bad(server, "/v1/embeddings", {"model": model, "input": "a"}, "model")
     assert "generates text" in message
     _bad(server, "/rerank", {"model": model, "query": "a", "documents": ["b"]}, "model")
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 500) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=4), children, max_size=3),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    path=st.sampled_from(["/v1/embeddings", "/pooling", "/classify", "/score", "/rerank"]),
+    body=st.dictionaries(
+        st.sampled_from(["input", "text_1", "text_2", "query", "documents", "top_n", "dimensions",
+                         "encoding_format", "truncate_prompt_tokens", "normalize"]),
+        _JSON,
+        max_size=4,
+    ),
+)
+def test_fuzzed_bodies_never_5xx(embed_server, path, body) -> None:
+    """Whatever the fields hold, the answer is a 200 or a 400 in OpenAI's shape, never a server error."""
+    r = _post(embed_server, path, body)
+    assert r.status_code in (200, 400), (body, r.text)
+    if r.status_code == 400:
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
