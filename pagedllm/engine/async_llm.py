@@ -170,7 +170,7 @@ class AsyncLLM:
 
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self._requests)
+        return len(self._requests) + len(self._pooling)
 
     async def wait_until_dead(self) -> EngineDeadError:
         """Return (with the error) once the engine has died; never returns while it is healthy."""

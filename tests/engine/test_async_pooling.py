@@ -53,7 +53,7 @@ async def test_bad_input_and_cancel(engine) -> None:
         task.cancel()
     done = await asyncio.gather(*tasks, return_exceptions=True)
     assert sum(isinstance(d, asyncio.CancelledError) for d in done) >= 1
-    assert not engine._pooling  # nothing left in flight on the front-end
+    assert engine.num_unfinished_requests == 0  # nothing left in flight on the front-end
     for _ in range(100):
         if await engine.is_idle():
             break
