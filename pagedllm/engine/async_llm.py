@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.config import EngineConfig, make_engine_config
-from pagedllm.core.sched_output import SchedulerStats
+from pagedllm.core.sched_output import EngineCoreRequest, SchedulerStats
 from pagedllm.engine.core_launch import LaunchedCore
 from pagedllm.engine.core_process import (
     DEFAULT_ENGINE_CORE,
@@ -292,6 +292,26 @@ class AsyncLLM:
         finally:
             stream.close()
 
+    def process_pooling(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams,
+        request_id: str,
+        text_pair: str | None = None,
+        priority: int = 0,
+    ) -> tuple[PoolingPrompt, EngineCoreRequest]:
+        """Validate and tokenize a pooling request without queueing it (``ValueError`` naming the field); hand
+        the result to ``encode_processed``. A server checks every input of a batch so before it queues any."""
+        self._check_alive()
+        if self.pooling_processor is None:
+            raise ValueError(
+                "this model generates text (runner='generate'): it has no pooling output; serve it with "
+                "--runner pooling to embed with it"
+            )
+        return self.pooling_processor.process(
+            request_id, prompt, pooling_params, time.monotonic(), text_pair, priority
+        )
+
     async def encode(
         self,
         prompt: PromptType,
@@ -303,20 +323,19 @@ class AsyncLLM:
         """A pooling model's output for one prompt (``pooling_params.task`` set; ``text_pair``: the second text of
         a cross-encoder pair). ``ValueError`` (naming the field) before anything is queued, or when the core
         refuses it; ``EngineDeadError`` if the engine dies. Cancelling the call aborts the request."""
+        self._ensure_started()
+        processed = self.process_pooling(prompt, pooling_params, request_id, text_pair, priority)
+        return await self.encode_processed(*processed)
+
+    async def encode_processed(self, prompt_info: PoolingPrompt, core_req: EngineCoreRequest) -> PoolingRequestOutput:
+        """Queue a request ``process_pooling`` made and wait for its output (see ``encode``)."""
         import torch
 
         self._ensure_started()
         self._check_alive()
-        if self.pooling_processor is None:
-            raise ValueError(
-                "this model generates text (runner='generate'): it has no pooling output; serve it with "
-                "--runner pooling to embed with it"
-            )
+        request_id = core_req.request_id
         if request_id in self._pooling or request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in flight")
-        prompt_info, core_req = self.pooling_processor.process(
-            request_id, prompt, pooling_params, time.monotonic(), text_pair, priority
-        )
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         self._pooling[request_id] = (prompt_info, future)
         try:

@@ -123,16 +123,22 @@ class OpenAIServingPooling(OpenAIServing):
     ) -> list[PoolingRequestOutput] | None:
         """Encode every prompt (with ``pairs[i]`` as its second text); None when the client went away."""
 
-        async def one(i: int) -> PoolingRequestOutput:
+        processed = []  # every input checked before any is queued
+        for i, prompt in enumerate(prompts):
             try:
-                return await self.engine.encode(
-                    prompts[i], params, f"{request_id}-{i}", pairs[i] if pairs is not None else None
-                )
+                pair = pairs[i] if pairs is not None else None
+                processed.append(self.engine.process_pooling(prompt, params, f"{request_id}-{i}", pair))
             except ValueError as e:
                 raise _value_error(e, param) from None
 
+        async def one(i: int) -> PoolingRequestOutput:
+            try:
+                return await self.engine.encode_processed(*processed[i])
+            except ValueError as e:  # refused by the engine core
+                raise _value_error(e, param) from None
+
         async def run_all() -> list[PoolingRequestOutput]:
-            tasks = [asyncio.ensure_future(one(i)) for i in range(len(prompts))]
+            tasks = [asyncio.ensure_future(one(i)) for i in range(len(processed))]
             try:
                 return list(await asyncio.gather(*tasks))
             finally:
