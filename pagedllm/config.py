@@ -86,6 +86,8 @@ class ModelConfig:
     # vLLM's names: "generate" (text generation), "pooling" (embed / classify / score), "auto": pooling for an
     # encoder or sequence-classification architecture or a sentence-transformers checkpoint (modules.json)
     runner: str = "auto"
+    # vLLM's pooler_config: {"pooling_type": "CLS" | "MEAN" | "LAST", "normalize": bool} over the checkpoint's
+    pooler_overrides: dict[str, Any] | None = None
     hf_config: Any = field(default=None, init=False, repr=False)
     model_path: str = field(default="", init=False)
     quant_config: Any = field(default=None, init=False, repr=False)  # QuantizationConfig | None
@@ -132,7 +134,11 @@ class ModelConfig:
         """Set ``runner_type`` (and ``pooler_config`` for a pooling model); ``ValueError`` naming ``runner`` or
         listing the supported architectures."""
         from pagedllm.models.registry import get_model_class, get_pooling_model_class
-        from pagedllm.pooling.config import is_pooling_architecture, resolve_pooler_config
+        from pagedllm.pooling.config import (
+            apply_pooler_overrides,
+            is_pooling_architecture,
+            resolve_pooler_config,
+        )
 
         if self.runner not in ("auto", "generate", "pooling"):
             raise ValueError(f"runner must be 'auto', 'generate' or 'pooling', got {self.runner!r}")
@@ -149,7 +155,10 @@ class ModelConfig:
             get_model_class(architecture, import_module=False)  # ValueError listing the supported ones
         else:
             get_pooling_model_class(architecture, import_module=False)
-            self.pooler_config = resolve_pooler_config(self.model_path, self.hf_config, architecture)
+            config = resolve_pooler_config(self.model_path, self.hf_config, architecture)
+            self.pooler_config = apply_pooler_overrides(config, self.pooler_overrides)
+        if runner == "generate" and self.pooler_overrides:
+            raise ValueError("pooler_config applies to pooling models only (runner='pooling')")
         self.runner_type = runner
 
     def __getstate__(self) -> dict[str, Any]:
@@ -738,6 +747,7 @@ def make_engine_config(
     enable_sleep_mode: bool = False,
     worker_extension_cls: str | None = None,
     runner: str = "auto",
+    pooler_config: dict[str, Any] | None = None,
 ) -> EngineConfig:
     """Build every config from vLLM-named keyword arguments (what ``LLM(...)`` and ``pagedllm serve`` take).
     ``usage_context``: "llm" (offline) or "api_server", which picks the batch defaults (``default_batch_limits``)."""
@@ -767,6 +777,7 @@ def make_engine_config(
         served_model_name=served_model_name,
         quantization=quantization,
         runner=runner,
+        pooler_overrides=pooler_config,
     )
     if model_config.runner_type == "pooling":
         _check_pooling_options(model_config, speculative_config, enable_lora, tensor_parallel_size,

@@ -39,6 +39,12 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
         "sequence-classification architectures and sentence-transformers checkpoints",
     )
     parser.add_argument(
+        "--pooler-config",
+        type=_json_dict,
+        default=None,
+        help='a pooling model\'s pooling over the checkpoint\'s, as JSON: {"pooling_type": "MEAN", "normalize": false}',
+    )
+    parser.add_argument(
         "--quantization",
         "-q",
         default=None,
@@ -253,6 +259,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         enable_sleep_mode=getattr(args, "enable_sleep_mode", False),
         worker_extension_cls=getattr(args, "worker_extension_cls", None),
         runner=getattr(args, "runner", "auto"),
+        pooler_config=getattr(args, "pooler_config", None),
     )
 
 

@@ -34,7 +34,8 @@ class LLM:
 
     ``model=None`` loads the bundled demo model. Keyword arguments carry vLLM's names and defaults.
     ``runner="pooling"`` (automatic for encoders, sequence classifiers and sentence-transformers checkpoints) makes
-    it a pooling model: ``embed`` / ``classify`` / ``score`` / ``encode`` instead of ``generate``.
+    it a pooling model: ``embed`` / ``classify`` / ``score`` / ``encode`` instead of ``generate``;
+    ``pooler_config={"pooling_type": "MEAN", "normalize": False}`` overrides the checkpoint's pooling.
 
     ``shutdown()`` releases the engine's worker processes, torch.distributed groups, device memory and threads,
     so that another ``LLM`` (tensor- or pipeline-parallel too) can start in this process; ``with LLM(...) as llm:``
@@ -89,6 +90,7 @@ class LLM:
         enable_sleep_mode: bool = False,
         worker_extension_cls: str | None = None,
         runner: str = "auto",
+        pooler_config: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         if kwargs:
@@ -141,6 +143,7 @@ class LLM:
             enable_sleep_mode=enable_sleep_mode,
             worker_extension_cls=worker_extension_cls,
             runner=runner,
+            pooler_config=pooler_config,
         )
         self.llm_engine = LLMEngine(config)
         self._counter = itertools.count()

@@ -101,6 +101,32 @@ def _read_st_modules(model_path: str) -> tuple[str | None, bool | None, list[str
     return pooling_type, normalize, names
 
 
+_OVERRIDABLE = ("pooling_type", "normalize")
+
+
+def apply_pooler_overrides(config: PoolerConfig, overrides: dict[str, Any] | None) -> PoolerConfig:
+    """``pooler_config`` as vLLM takes it (``{"pooling_type": "MEAN", "normalize": false}``) over the checkpoint's
+    settings; ``ValueError`` naming ``pooler_config`` and the key that is wrong."""
+    if not overrides:
+        return config
+    if not isinstance(overrides, dict):
+        raise ValueError(f"pooler_config must be a dict, got {type(overrides).__name__}")
+    unknown = sorted(set(overrides) - set(_OVERRIDABLE))
+    if unknown:
+        raise ValueError(f"pooler_config: unknown keys {unknown}; supported: {', '.join(_OVERRIDABLE)}")
+    pooling_type = overrides.get("pooling_type")
+    if pooling_type is not None:
+        if not isinstance(pooling_type, str) or pooling_type.upper() not in POOLING_TYPES:
+            raise ValueError(f"pooler_config.pooling_type must be one of {', '.join(POOLING_TYPES)}, got {pooling_type!r}")
+        config.pooling_type = pooling_type.upper()
+    normalize = overrides.get("normalize")
+    if normalize is not None:
+        if not isinstance(normalize, bool):
+            raise ValueError(f"pooler_config.normalize must be a boolean, got {normalize!r}")
+        config.normalize = normalize
+    return config
+
+
 def resolve_pooler_config(model_path: str, hf_config: Any, architecture: str) -> PoolerConfig:
     """The pooler settings of the checkpoint at ``model_path`` (see the module docstring)."""
     st_type, st_normalize, names = _read_st_modules(model_path)

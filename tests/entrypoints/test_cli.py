@@ -251,5 +251,10 @@ def test_runner_flag_reaches_the_engine_config(tiny_llama):
     kw = engine_kwargs_from_args(parser.parse_args(["--model", tiny_llama, "--device", "cpu", "--runner", "pooling"]))
     pooler = make_engine_config(tiny_llama, **kw).model_config.pooler_config
     assert (pooler.pooling_type, pooler.normalize, pooler.is_classifier) == ("LAST", True, False)
+    args = parser.parse_args(
+        ["--model", tiny_llama, "--runner", "pooling", "--pooler-config", '{"pooling_type": "MEAN", "normalize": false}']
+    )
+    pooler = make_engine_config(tiny_llama, **engine_kwargs_from_args(args)).model_config.pooler_config
+    assert (pooler.pooling_type, pooler.normalize) == ("MEAN", False)
     with pytest.raises(SystemExit):
         parser.parse_args(["--runner", "embed"])

@@ -175,3 +175,21 @@ def test_pooler_config_from_classic_modules(tmp_path) -> None:
     with pytest.raises(ValueError, match="Dense"):
         resolve_pooler_config(path, object(), "BertModel")
     assert resolve_pooler_config(str(tmp_path / "1_Pooling"), object(), "BertModel").pooling_type == "CLS"
+
+
+def test_pooler_config_overrides_the_checkpoint(embedder, tiny_llama) -> None:
+    """vLLM's pooler_config: another pooling type / normalization than the checkpoint's; bad keys are refused."""
+    from tests.pooling.pooling_utils import hf_last_hidden
+
+    with LLM(embedder, pooler_config={"pooling_type": "CLS", "normalize": False}, max_num_batched_tokens=80) as llm:
+        ours = torch.tensor([o.outputs.embedding for o in llm.embed(TEXTS, use_tqdm=False)])
+    assert_close(ours, hf_last_hidden(embedder.replace("/st", "/hf"), TEXTS, "cls"))
+    for bad, match in (
+        ({"pooling_type": "MAX"}, "pooler_config.pooling_type"),
+        ({"normalize": "no"}, "pooler_config.normalize"),
+        ({"softmax": True}, "pooler_config: unknown keys"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            LLM(embedder, pooler_config=bad)
+    with pytest.raises(ValueError, match="pooler_config applies to pooling models"):
+        LLM(tiny_llama, pooler_config={"pooling_type": "MEAN"})
