@@ -134,3 +134,14 @@ def test_embedding_model_score_is_cosine(models: dict[str, str]) -> None:
     ref = st_embed_ref(path, TEXTS[:4])
     expected = torch.nn.functional.cosine_similarity(ref[:1], ref[1:], dim=-1)
     assert torch.allclose(torch.tensor(scores), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["bert", "xlm-roberta"])
+def test_bare_encoder_is_a_pooling_model_by_itself(tmp_path, arch: str) -> None:
+    """An encoder checkpoint without sentence-transformers modules: the pooling runner is chosen from the
+    architecture, CLS pooling and normalization by default (vLLM's defaults)."""
+    path = save_base_model(arch, tmp_path / arch)
+    with LLM(path, max_num_batched_tokens=BUDGET, max_num_seqs=2) as llm:
+        assert llm.llm_engine.config.model_config.runner_type == "pooling"
+        ours = _embeddings(llm.embed(TEXTS, use_tqdm=False))
+    assert_close(ours, torch.nn.functional.normalize(hf_last_hidden(path, TEXTS, "cls"), dim=-1))
