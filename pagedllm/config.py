@@ -780,8 +780,14 @@ def make_engine_config(
         pooler_overrides=pooler_config,
     )
     if model_config.runner_type == "pooling":
-        _check_pooling_options(model_config, speculative_config, enable_lora, tensor_parallel_size,
-                               pipeline_parallel_size, data_parallel_size)
+        _check_pooling_options(
+            model_config,
+            speculative_config,
+            enable_lora,
+            tensor_parallel_size,
+            pipeline_parallel_size,
+            data_parallel_size,
+        )
     if dtype == "auto":
         # As vLLM: float32 checkpoints run in bfloat16 on GPUs. On CPU half types are slow: use float32.
         if device_config.device.type == "cuda" and model_config.dtype == torch.float32:

@@ -38,7 +38,9 @@ class PoolingBatch:
         owner = np.repeat(np.arange(num_reqs), lens)  # [num_tokens]
         offset = np.arange(int(cu[-1])) - np.repeat(cu[:-1], lens)  # [num_tokens] position in its request
         token_index = torch.from_numpy(owner * max_len + offset).to(device)
-        key_mask = torch.from_numpy(np.arange(max_len)[None, :] < lens[:, None]).to(device)  # [num_reqs, max_len]
+        key_mask = torch.from_numpy(np.arange(max_len)[None, :] < lens[:, None]).to(
+            device
+        )  # [num_reqs, max_len]
         return cls(cu, max_len, token_index, key_mask[:, None, None, :])
 
 

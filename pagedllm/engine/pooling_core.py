@@ -57,7 +57,9 @@ class PoolingEngineCore:
         ids = request.prompt_token_ids
         check_pooling_prompt(len(ids), self.config.model_config.max_model_len, self.max_num_tokens)
         if min(ids) < 0 or max(ids) >= self.vocab_size:
-            raise ValueError(f"prompt_token_ids must be in [0, {self.vocab_size}): token ids out of vocabulary")
+            raise ValueError(
+                f"prompt_token_ids must be in [0, {self.vocab_size}): token ids out of vocabulary"
+            )
         check_params(params, self.config.model_config.pooler_config)
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in flight")
@@ -86,7 +88,10 @@ class PoolingEngineCore:
         if batch:
             now = time.monotonic()
             results = self.runner.execute(
-                [PoolingInput(r.request_id, r.prompt_token_ids, r.pooling_params, r.token_type_ids) for r in batch]
+                [
+                    PoolingInput(r.request_id, r.prompt_token_ids, r.pooling_params, r.token_type_ids)
+                    for r in batch
+                ]
             )
             outputs = [
                 EngineCoreOutput(

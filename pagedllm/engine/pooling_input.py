@@ -54,7 +54,9 @@ class PoolingInputProcessor:
         return PoolingPrompt(text, list(enc["input_ids"]), list(types) if types and any(types) else None)
 
     def _token_ids(self, ids: Any, field: str) -> list[int]:
-        if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        if not isinstance(ids, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in ids
+        ):
             raise ValueError(f"{field} must be a list of token ids (ints)")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
@@ -68,7 +70,9 @@ class PoolingInputProcessor:
         if isinstance(prompt, Mapping):
             unknown = set(prompt) - {"prompt", "prompt_token_ids"}
             if unknown:
-                raise ValueError(f"prompt: unknown keys {sorted(unknown)}; use 'prompt' or 'prompt_token_ids'")
+                raise ValueError(
+                    f"prompt: unknown keys {sorted(unknown)}; use 'prompt' or 'prompt_token_ids'"
+                )
             if "prompt_token_ids" in prompt:
                 prompt = prompt["prompt_token_ids"]
             elif "prompt" in prompt:
@@ -87,7 +91,9 @@ class PoolingInputProcessor:
                 ids = ids[-max_length:]  # as vLLM: a token-id prompt keeps its last tokens
             out = PoolingPrompt(None, ids)
         else:
-            raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+            raise ValueError(
+                f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}"
+            )
         check_pooling_prompt(len(out.token_ids), self.max_model_len, self.max_num_batched_tokens)
         return out
 

@@ -372,7 +372,10 @@ class LLM:
         ``pooling_params.normalize`` says otherwise; ``pooling_params.dimensions`` shortens it (Matryoshka
         models)."""
         outs = self.encode(
-            prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
+            prompts,
+            pooling_params,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            use_tqdm=use_tqdm,
             pooling_task="embed",
         )
         return [EmbeddingRequestOutput.from_base(o) for o in outs]
@@ -388,7 +391,10 @@ class LLM:
         """Class probabilities per prompt (``.outputs.probs``: softmax over the labels, sigmoid for one label)
         from a sequence-classification model."""
         outs = self.encode(
-            prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
+            prompts,
+            pooling_params,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            use_tqdm=use_tqdm,
             pooling_task="classify",
         )
         return [ClassificationRequestOutput.from_base(o) for o in outs]

@@ -33,7 +33,9 @@ _ACTIVATIONS = {
 
 def _activation(name: str):
     if name not in _ACTIVATIONS:
-        raise ValueError(f"hidden_act {name!r} is not supported by the encoder models ({', '.join(_ACTIVATIONS)})")
+        raise ValueError(
+            f"hidden_act {name!r} is not supported by the encoder models ({', '.join(_ACTIVATIONS)})"
+        )
     return _ACTIVATIONS[name]
 
 
@@ -42,7 +44,9 @@ class BertEmbeddings(nn.Module):
         super().__init__()
         self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
-        self.token_type_embeddings = nn.Embedding(getattr(config, "type_vocab_size", 2) or 1, config.hidden_size)
+        self.token_type_embeddings = nn.Embedding(
+            getattr(config, "type_vocab_size", 2) or 1, config.hidden_size
+        )
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(
@@ -154,7 +158,9 @@ class BertModel(nn.Module):
             return None
         return name
 
-    def positions(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: PoolingBatch) -> torch.Tensor:
+    def positions(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: PoolingBatch
+    ) -> torch.Tensor:
         return positions
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: PoolingBatch) -> torch.Tensor:
@@ -174,7 +180,9 @@ class XLMRobertaModel(BertModel):
 
     prefixes = ("roberta.", "model.")
 
-    def positions(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: PoolingBatch) -> torch.Tensor:
+    def positions(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: PoolingBatch
+    ) -> torch.Tensor:
         pad = int(self.config.pad_token_id)
         mask = (input_ids != pad).long()  # [T]
         counts = torch.cumsum(mask, 0)  # [T] running count over the whole step...

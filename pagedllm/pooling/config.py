@@ -18,7 +18,10 @@ POOLING_TYPES = ("CLS", "MEAN", "LAST")
 # Architectures that run as pooling models whatever ``runner`` says (there is nothing to generate with).
 ENCODER_ARCHITECTURES = ("BertModel", "XLMRobertaModel", "RobertaModel")
 # Encoders pool the first token by default; every other pooling model the last one.
-_CLS_DEFAULT = ENCODER_ARCHITECTURES + ("BertForSequenceClassification", "XLMRobertaForSequenceClassification")
+_CLS_DEFAULT = ENCODER_ARCHITECTURES + (
+    "BertForSequenceClassification",
+    "XLMRobertaForSequenceClassification",
+)
 
 
 def config_num_labels(hf_config: Any) -> int:
@@ -66,8 +69,15 @@ def _st_pooling_type(cfg: dict[str, Any], path: str) -> str:
         "pooling_mode_mean_tokens": "MEAN",
         "pooling_mode_lasttoken": "LAST",
     }
-    unsupported = [k for k in ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens",
-                               "pooling_mode_weightedmean_tokens") if cfg.get(k)]
+    unsupported = [
+        k
+        for k in (
+            "pooling_mode_max_tokens",
+            "pooling_mode_mean_sqrt_len_tokens",
+            "pooling_mode_weightedmean_tokens",
+        )
+        if cfg.get(k)
+    ]
     chosen = [v for k, v in flags.items() if cfg.get(k)]
     if unsupported or len(chosen) != 1:
         raise ValueError(
@@ -117,7 +127,9 @@ def apply_pooler_overrides(config: PoolerConfig, overrides: dict[str, Any] | Non
     pooling_type = overrides.get("pooling_type")
     if pooling_type is not None:
         if not isinstance(pooling_type, str) or pooling_type.upper() not in POOLING_TYPES:
-            raise ValueError(f"pooler_config.pooling_type must be one of {', '.join(POOLING_TYPES)}, got {pooling_type!r}")
+            raise ValueError(
+                f"pooler_config.pooling_type must be one of {', '.join(POOLING_TYPES)}, got {pooling_type!r}"
+            )
         config.pooling_type = pooling_type.upper()
     normalize = overrides.get("normalize")
     if normalize is not None:

@@ -13,7 +13,11 @@ POOLING_TASKS = ("embed", "classify", "score", "encode")
 def _check_positive_int(name: str, value: Any, allow_minus_one: bool = False) -> None:
     if value is None:
         return
-    ok = isinstance(value, int) and not isinstance(value, bool) and (value >= 1 or (allow_minus_one and value == -1))
+    ok = (
+        isinstance(value, int)
+        and not isinstance(value, bool)
+        and (value >= 1 or (allow_minus_one and value == -1))
+    )
     if not ok:
         extra = " (or -1 for max_model_len)" if allow_minus_one else ""
         raise ValueError(f"{name} must be a positive integer{extra}, got {value!r}")

@@ -56,8 +56,13 @@ class PoolingRunner:
         t0 = time.perf_counter()
         self.attn_backend = get_attention_backend(self.device, config.attention_backend)
         self.model = get_model(mc, self.device, self.attn_backend)
-        logger.info("loaded pooling model %s in %.2fs (%s, %s)", mc.model, time.perf_counter() - t0, self.dtype,
-                    self.device)
+        logger.info(
+            "loaded pooling model %s in %.2fs (%s, %s)",
+            mc.model,
+            time.perf_counter() - t0,
+            self.dtype,
+            self.device,
+        )
         self.kv_caches: list[torch.Tensor] | None = None
         if isinstance(self.model, DecoderEmbeddingModel):
             num_blocks = _cdiv(self.max_num_tokens, self.block_size) + self.max_num_reqs
@@ -72,7 +77,9 @@ class PoolingRunner:
         num_blocks = (lens + bs - 1) // bs  # [num_reqs]
         first_block = np.concatenate([[0], np.cumsum(num_blocks)[:-1]])  # [num_reqs]
         max_blocks = int(num_blocks.max())
-        block_table = (first_block[:, None] + np.arange(max_blocks)[None, :]).astype(np.int32)  # [num_reqs, max_blocks]
+        block_table = (first_block[:, None] + np.arange(max_blocks)[None, :]).astype(
+            np.int32
+        )  # [num_reqs, max_blocks]
         positions = np.arange(int(cu[-1])) - np.repeat(cu[:-1], lens)  # [num_tokens]
         slot_mapping = np.repeat(first_block, lens) * bs + positions  # [num_tokens] consecutive blocks
         dev = self.device
@@ -100,7 +107,9 @@ class PoolingRunner:
         assert int(cu[-1]) <= self.max_num_tokens, (int(cu[-1]), self.max_num_tokens)
         dev = self.device
         input_ids = torch.tensor([t for x in inputs for t in x.token_ids], dtype=torch.long, device=dev)
-        positions = torch.from_numpy(np.arange(int(cu[-1])) - np.repeat(cu[:-1], lens)).to(dev)  # [num_tokens]
+        positions = torch.from_numpy(np.arange(int(cu[-1])) - np.repeat(cu[:-1], lens)).to(
+            dev
+        )  # [num_tokens]
         batch = PoolingBatch.build(cu, dev)
         if any(x.token_type_ids is not None for x in inputs):
             types = [t for x in inputs for t in (x.token_type_ids or [0] * len(x.token_ids))]
@@ -111,7 +120,9 @@ class PoolingRunner:
         hidden = self.model(input_ids, positions, batch)  # [num_tokens, hidden_size]
         pooled = self.model.head(pool_hidden(hidden, cu, self.pooler_config.pooling_type))  # [num_reqs, D]
         pooled = pooled.float().cpu()  # one copy to the host for the whole step
-        return {x.req_id: finish_pooled(pooled[i], x.params, self.pooler_config) for i, x in enumerate(inputs)}
+        return {
+            x.req_id: finish_pooled(pooled[i], x.params, self.pooler_config) for i, x in enumerate(inputs)
+        }
 
     def shutdown(self) -> None:
         self.kv_caches = None

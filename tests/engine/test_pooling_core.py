@@ -20,7 +20,13 @@ def embedder(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def _request(req_id: str, num_tokens: int, **kwargs) -> EngineCoreRequest:
     return EngineCoreRequest(
-        req_id, list(range(3, 3 + num_tokens)), None, None, 0.0, pooling_params=PoolingParams(task="embed"), **kwargs
+        req_id,
+        list(range(3, 3 + num_tokens)),
+        None,
+        None,
+        0.0,
+        pooling_params=PoolingParams(task="embed"),
+        **kwargs,
     )
 
 
@@ -55,9 +61,16 @@ def test_steps_respect_budget_and_order(embedder) -> None:
 
 def test_priority_policy(embedder) -> None:
     """scheduling_policy='priority': lower priority values first, then arrival, as for generation."""
-    config = make_engine_config(embedder, max_num_batched_tokens=16, max_num_seqs=2, scheduling_policy="priority")
+    config = make_engine_config(
+        embedder, max_num_batched_tokens=16, max_num_seqs=2, scheduling_policy="priority"
+    )
     core = PoolingEngineCore(config)
-    for req_id, priority, arrival in (("late", 1, 0.0), ("urgent", -1, 2.0), ("mid", 0, 1.0), ("mid2", 0, 3.0)):
+    for req_id, priority, arrival in (
+        ("late", 1, 0.0),
+        ("urgent", -1, 2.0),
+        ("mid", 0, 1.0),
+        ("mid2", 0, 3.0),
+    ):
         request = _request(req_id, 5)
         request.priority, request.arrival_time = priority, arrival
         core.add_request(request)
@@ -79,8 +92,12 @@ def test_refusals(embedder) -> None:
     with pytest.raises(ValueError, match="empty"):
         core.add_request(_request("empty", 0))
     with pytest.raises(ValueError, match="vocabulary"):
-        core.add_request(EngineCoreRequest("v", [10**6], None, None, 0.0, pooling_params=PoolingParams(task="embed")))
+        core.add_request(
+            EngineCoreRequest("v", [10**6], None, None, 0.0, pooling_params=PoolingParams(task="embed"))
+        )
     with pytest.raises(ValueError, match="classif"):
-        core.add_request(EngineCoreRequest("c", [3], None, None, 0.0, pooling_params=PoolingParams(task="classify")))
+        core.add_request(
+            EngineCoreRequest("c", [3], None, None, 0.0, pooling_params=PoolingParams(task="classify"))
+        )
     assert not core.has_unfinished_requests()
     core.shutdown()

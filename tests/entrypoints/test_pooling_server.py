@@ -73,7 +73,9 @@ def test_embeddings_openai_client(embed_server) -> None:
         else:
             rows = [d.embedding for d in resp.data]
         assert_close(torch.tensor(np.array(rows)), ref)
-    tok = httpx.post(embed_server.base_url + "/tokenize", json={"prompt": TEXTS[1]}, headers=embed_server.headers)
+    tok = httpx.post(
+        embed_server.base_url + "/tokenize", json={"prompt": TEXTS[1]}, headers=embed_server.headers
+    )
     ids = tok.json()["tokens"]
     one = client.embeddings.create(model=model, input=TEXTS[1])  # the client's default: base64
     assert_close(torch.tensor([one.data[0].embedding]), ref[1:2])
@@ -104,10 +106,18 @@ def test_embeddings_bad_input(embed_server) -> None:
         model=model, input=long_text, encoding_format="float", extra_body={"truncate_prompt_tokens": 12}
     )
     assert resp.usage.prompt_tokens == 12
-    _bad(embed_server, "/v1/embeddings", {"model": model, "input": "a", "truncate_prompt_tokens": 0},
-         "truncate_prompt_tokens")
-    _bad(embed_server, "/v1/embeddings", {"model": model, "input": "a", "encoding_format": "int8"},
-         "encoding_format")
+    _bad(
+        embed_server,
+        "/v1/embeddings",
+        {"model": model, "input": "a", "truncate_prompt_tokens": 0},
+        "truncate_prompt_tokens",
+    )
+    _bad(
+        embed_server,
+        "/v1/embeddings",
+        {"model": model, "input": "a", "encoding_format": "int8"},
+        "encoding_format",
+    )
     with pytest.raises(openai.NotFoundError):
         client.embeddings.create(model="no-such-model", input="a")
 
@@ -147,8 +157,11 @@ def test_rerank_and_classify(rerank_server) -> None:
             assert abs(x["relevance_score"] - ref[x["index"]].item()) < 1e-5
             assert x["document"]["text"] == docs[x["index"]]
         assert r.json()["usage"]["total_tokens"] > 0
-    r = _post(rerank_server, "/rerank", {"model": model, "query": query, "documents": docs, "top_n": 2,
-                                         "return_documents": False})
+    r = _post(
+        rerank_server,
+        "/rerank",
+        {"model": model, "query": query, "documents": docs, "top_n": 2, "return_documents": False},
+    )
     results = r.json()["results"]
     assert len(results) == 2 and "document" not in results[0]
     r = _post(rerank_server, "/score", {"model": model, "text_1": query, "text_2": docs})
@@ -162,11 +175,15 @@ def test_rerank_and_classify(rerank_server) -> None:
     _bad(rerank_server, "/rerank", {"model": model, "query": "", "documents": docs}, "query")
     _bad(rerank_server, "/rerank", {"model": model, "query": query, "documents": docs, "top_n": -1}, "top_n")
     _bad(rerank_server, "/v1/embeddings", {"model": model, "input": "a"}, "model")
-    message = _bad(rerank_server, "/rerank", {"model": model, "query": query, "documents": [TEXTS[3] * 2]},
-                   "documents")
+    message = _bad(
+        rerank_server, "/rerank", {"model": model, "query": query, "documents": [TEXTS[3] * 2]}, "documents"
+    )
     assert "truncate_prompt_tokens" in message
-    r = _post(rerank_server, "/rerank", {"model": model, "query": query, "documents": [TEXTS[3] * 2],
-                                         "truncate_prompt_tokens": 40})
+    r = _post(
+        rerank_server,
+        "/rerank",
+        {"model": model, "query": query, "documents": [TEXTS[3] * 2], "truncate_prompt_tokens": 40},
+    )
     assert r.status_code == 200 and r.json()["usage"]["total_tokens"] == 40, r.text
 
 
@@ -177,8 +194,14 @@ def test_embeddings_on_generator_is_400(server, model) -> None:
 
 
 _JSON = st.recursive(
-    st.none() | st.booleans() | st.integers(-5, 500) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12),
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=4), children, max_size=3),
+    st.none()
+    | st.booleans()
+    | st.integers(-5, 500)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=12),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=4), children, max_size=3)
+    ),
     max_leaves=8,
 )
 
@@ -192,8 +215,20 @@ def any_server(request):
 @given(
     path=st.sampled_from(["/v1/embeddings", "/pooling", "/classify", "/score", "/rerank"]),
     body=st.dictionaries(
-        st.sampled_from(["input", "text_1", "text_2", "query", "documents", "top_n", "dimensions",
-                         "encoding_format", "truncate_prompt_tokens", "normalize"]),
+        st.sampled_from(
+            [
+                "input",
+                "text_1",
+                "text_2",
+                "query",
+                "documents",
+                "top_n",
+                "dimensions",
+                "encoding_format",
+                "truncate_prompt_tokens",
+                "normalize",
+            ]
+        ),
         _JSON,
         max_size=4,
     ),

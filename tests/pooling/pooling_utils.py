@@ -41,7 +41,10 @@ def _tokenizer(pair_type_ids: bool = False):
             special_tokens=[(bos, tokenizer.bos_token_id), (eos, tokenizer.eos_token_id)],
         )
         tokenizer = PreTrainedTokenizerFast(
-            tokenizer_object=backend, bos_token=bos, eos_token=eos, pad_token=tokenizer.pad_token,
+            tokenizer_object=backend,
+            bos_token=bos,
+            eos_token=eos,
+            pad_token=tokenizer.pad_token,
             model_input_names=["input_ids", "token_type_ids", "attention_mask"],
         )
     return tokenizer
@@ -85,7 +88,12 @@ def _config(arch: str, tokenizer, **overrides):
     if arch in ("bert", "xlm-roberta"):
         return _encoder_config(arch, tokenizer, **overrides)
     return _tiny_config(
-        arch, len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, **overrides
+        arch,
+        len(tokenizer),
+        tokenizer.bos_token_id,
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+        **overrides,
     )
 
 
@@ -103,7 +111,9 @@ def save_base_model(arch: str, path: str | Path, **overrides) -> str:
     return str(path)
 
 
-def make_st_embedder(arch: str, path: str | Path, pooling_mode: str, normalize: bool = True, **overrides) -> str:
+def make_st_embedder(
+    arch: str, path: str | Path, pooling_mode: str, normalize: bool = True, **overrides
+) -> str:
     """A sentence-transformers checkpoint: Transformer(``arch`` body) + Pooling(``pooling_mode``: cls, mean,
     lasttoken) [+ Normalize]."""
     from sentence_transformers import SentenceTransformer
@@ -155,7 +165,9 @@ def hf_classifier_logits(path: str, texts: list[str], pairs: list[str] | None = 
     model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
     rows = []
     for i, text in enumerate(texts):
-        enc = tokenizer(text, pairs[i], return_tensors="pt") if pairs else tokenizer(text, return_tensors="pt")
+        enc = (
+            tokenizer(text, pairs[i], return_tensors="pt") if pairs else tokenizer(text, return_tensors="pt")
+        )
         rows.append(model(**enc).logits[0].float())
     return torch.stack(rows)
 

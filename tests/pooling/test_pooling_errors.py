@@ -67,7 +67,9 @@ def test_too_long_refused_or_truncated(llm) -> None:
 def test_mixed_batch_of_strings_and_token_ids(llm) -> None:
     with pytest.raises(ValueError, match="mixes strings and token-id lists"):
         llm.embed([TEXTS[0], [3, 4, 5]], use_tqdm=False)
-    outs = llm.embed([{"prompt": TEXTS[0]}, {"prompt_token_ids": [0, 3, 4, 5]}], use_tqdm=False)  # dicts: fine
+    outs = llm.embed(
+        [{"prompt": TEXTS[0]}, {"prompt_token_ids": [0, 3, 4, 5]}], use_tqdm=False
+    )  # dicts: fine
     assert outs[1].prompt_token_ids == [0, 3, 4, 5]
 
 
@@ -160,7 +162,10 @@ def _write_st(tmp_path, modules: list[tuple[str, str]], pooling_cfg: dict) -> st
 
 
 def test_pooler_config_from_classic_modules(tmp_path) -> None:
-    classic = [("", "sentence_transformers.models.Transformer"), ("1_Pooling", "sentence_transformers.models.Pooling")]
+    classic = [
+        ("", "sentence_transformers.models.Transformer"),
+        ("1_Pooling", "sentence_transformers.models.Pooling"),
+    ]
     path = _write_st(tmp_path, classic, {"pooling_mode_cls_token": False, "pooling_mode_lasttoken": True})
     cfg = resolve_pooler_config(path, object(), "Qwen3ForCausalLM")
     assert (cfg.pooling_type, cfg.normalize, cfg.is_classifier) == ("LAST", False, False)
@@ -181,7 +186,9 @@ def test_pooler_config_overrides_the_checkpoint(embedder, tiny_llama) -> None:
     """vLLM's pooler_config: another pooling type / normalization than the checkpoint's; bad keys are refused."""
     from tests.pooling.pooling_utils import hf_last_hidden
 
-    with LLM(embedder, pooler_config={"pooling_type": "CLS", "normalize": False}, max_num_batched_tokens=80) as llm:
+    with LLM(
+        embedder, pooler_config={"pooling_type": "CLS", "normalize": False}, max_num_batched_tokens=80
+    ) as llm:
         ours = torch.tensor([o.outputs.embedding for o in llm.embed(TEXTS, use_tqdm=False)])
     assert_close(ours, hf_last_hidden(embedder.replace("/st", "/hf"), TEXTS, "cls"))
     for bad, match in (

@@ -43,8 +43,18 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     }
 
 
-EMBEDDERS = ["bert-mean", "bert-cls", "bert-mean-raw", "bert-last", "xlm-roberta-cls", "xlm-roberta-mean",
-             "qwen3-last", "qwen3-mean", "qwen2-last", "llama-cls"]
+EMBEDDERS = [
+    "bert-mean",
+    "bert-cls",
+    "bert-mean-raw",
+    "bert-last",
+    "xlm-roberta-cls",
+    "xlm-roberta-mean",
+    "qwen3-last",
+    "qwen3-mean",
+    "qwen2-last",
+    "llama-cls",
+]
 
 
 @pytest.mark.parametrize("name", EMBEDDERS)
@@ -122,7 +132,9 @@ def test_decoder_sequence_classifier(tmp_path, arch: str) -> None:
 def test_decoder_cross_encoder_score(tmp_path) -> None:
     path = make_classifier("qwen3", tmp_path / "qwen3", num_labels=1)
     with LLM(path, max_num_batched_tokens=BUDGET * 2) as llm:
-        scores = [s.outputs.score for s in llm.score([TEXTS[0], TEXTS[1]], [TEXTS[4], TEXTS[5]], use_tqdm=False)]
+        scores = [
+            s.outputs.score for s in llm.score([TEXTS[0], TEXTS[1]], [TEXTS[4], TEXTS[5]], use_tqdm=False)
+        ]
     ref = torch.sigmoid(hf_classifier_logits(path, [TEXTS[0], TEXTS[1]], [TEXTS[4], TEXTS[5]]))[:, 0]
     assert torch.allclose(torch.tensor(scores), ref, atol=1e-5, rtol=0)
 

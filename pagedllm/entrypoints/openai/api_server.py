@@ -601,8 +601,8 @@ async def run_server(
                 flush=True,
             )
         else:
-            print(f"pagedllm: pooling model ({config.model_config.pooler_config.pooling_type} pooling), no KV cache",
-                  flush=True)
+            pooling_type = config.model_config.pooler_config.pooling_type
+            print(f"pagedllm: pooling model ({pooling_type} pooling), no KV cache", flush=True)
         print(
             f"pagedllm: serving {', '.join(served_model_names)} on http://{host}:{port}"
             f"{' (API key required)' if api_key else ''} (engine core pid {engine.engine_core.pid})",

@@ -59,21 +59,29 @@ def parse_inputs(value: Any, param: str = "input") -> list[str | list[int]]:
         raise bad_request(f"{param} must be {shape}, got {type(value).__name__}", param)
     if not value:
         raise bad_request(f"{param} must not be empty", param)
-    kinds = {"str" if isinstance(x, str) else "ids" if isinstance(x, list) else
-             "int" if isinstance(x, int) and not isinstance(x, bool) else "other" for x in value}
+    kinds = {
+        "str"
+        if isinstance(x, str)
+        else "ids"
+        if isinstance(x, list)
+        else "int"
+        if isinstance(x, int) and not isinstance(x, bool)
+        else "other"
+        for x in value
+    }
     if "other" in kinds:
         raise bad_request(f"{param} must be {shape}", param)
     if len(kinds) > 1:
-        raise bad_request(
-            f"{param} mixes strings and token ids in one batch; send {shape}, not a mix", param
-        )
+        raise bad_request(f"{param} mixes strings and token ids in one batch; send {shape}, not a mix", param)
     kind = kinds.pop()
     if kind == "int":
         return [value]
     for i, item in enumerate(value):
         if kind == "str" and not item:
             raise bad_request(f"{param}[{i}] must not be empty", param)
-        if kind == "ids" and (not item or not all(isinstance(t, int) and not isinstance(t, bool) for t in item)):
+        if kind == "ids" and (
+            not item or not all(isinstance(t, int) and not isinstance(t, bool) for t in item)
+        ):
             raise bad_request(f"{param}[{i}] must be a non-empty list of token ids", param)
     return list(value)
 

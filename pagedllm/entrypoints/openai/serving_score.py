@@ -62,7 +62,9 @@ class OpenAIServingScore(OpenAIServingPooling):
         if outs is None:
             return None
         scores = [
-            torch.nn.functional.cosine_similarity(outs[2 * i].outputs.data, outs[2 * i + 1].outputs.data, dim=0).item()
+            torch.nn.functional.cosine_similarity(
+                outs[2 * i].outputs.data, outs[2 * i + 1].outputs.data, dim=0
+            ).item()
             for i in range(len(pairs))
         ]
         return scores, self.usage(outs).prompt_tokens
