@@ -434,11 +434,11 @@ class LLM:
         import torch
 
         task_params = params.with_task("embed")
-        texts = [t for pair in pairs for t in pair]
-        outs = self._run_pooling([(t, task_params, None) for t in texts], use_tqdm)
+        texts = list(dict.fromkeys(t for pair in pairs for t in pair))  # each distinct text embedded once
+        outs = dict(zip(texts, self._run_pooling([(t, task_params, None) for t in texts], use_tqdm)))
         results = []
-        for i in range(len(pairs)):
-            a, b = outs[2 * i], outs[2 * i + 1]
+        for text_1, text_2 in pairs:
+            a, b = outs[text_1], outs[text_2]
             score = torch.nn.functional.cosine_similarity(a.outputs.data, b.outputs.data, dim=0).item()
             results.append(
                 ScoringRequestOutput(a.request_id, ScoringOutput(score), a.prompt_token_ids + b.prompt_token_ids)

@@ -143,9 +143,11 @@ def test_embedding_model_score_is_cosine(models: dict[str, str]) -> None:
     path = models["bert-cls"]
     with LLM(path, max_num_batched_tokens=BUDGET) as llm:
         scores = [s.outputs.score for s in llm.score(TEXTS[0], TEXTS[1:4], use_tqdm=False)]
+        same = llm.score([TEXTS[0], TEXTS[1]], [TEXTS[0], TEXTS[0]], use_tqdm=False)  # repeated texts embed once
     ref = st_embed_ref(path, TEXTS[:4])
     expected = torch.nn.functional.cosine_similarity(ref[:1], ref[1:], dim=-1)
     assert torch.allclose(torch.tensor(scores), expected, atol=1e-5, rtol=0)
+    assert abs(same[0].outputs.score - 1.0) < 1e-6 and abs(same[1].outputs.score - expected[0].item()) < 1e-5
 
 
 @pytest.mark.parametrize("arch", ["bert", "xlm-roberta"])

@@ -57,15 +57,13 @@ class OpenAIServingScore(OpenAIServingPooling):
                 return None
             return [float(o.outputs.data[0]) for o in outs], self.usage(outs).prompt_tokens
         params = self.params(req, "embed")
-        texts = [t for pair in pairs for t in pair]
+        texts = list(dict.fromkeys(t for pair in pairs for t in pair))  # each distinct text embedded once
         outs = await self.run_batch(raw_request, texts, params, request_id, param=param)
         if outs is None:
             return None
+        by_text = {t: o.outputs.data for t, o in zip(texts, outs)}
         scores = [
-            torch.nn.functional.cosine_similarity(
-                outs[2 * i].outputs.data, outs[2 * i + 1].outputs.data, dim=0
-            ).item()
-            for i in range(len(pairs))
+            torch.nn.functional.cosine_similarity(by_text[a], by_text[b], dim=0).item() for a, b in pairs
         ]
         return scores, self.usage(outs).prompt_tokens
 
