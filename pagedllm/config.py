@@ -788,6 +788,8 @@ def make_engine_config(
             pipeline_parallel_size,
             data_parallel_size,
         )
+        if enable_sleep_mode:
+            raise ValueError("enable_sleep_mode: sleep mode is for generating models; a pooling model has none")
     if dtype == "auto":
         # As vLLM: float32 checkpoints run in bfloat16 on GPUs. On CPU half types are slow: use float32.
         if device_config.device.type == "cuda" and model_config.dtype == torch.float32:

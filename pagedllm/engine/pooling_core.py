@@ -111,6 +111,9 @@ class PoolingEngineCore:
             if request is not None:
                 self.waiting.remove(request)
 
+    def check_awake(self) -> None:
+        """A pooling engine never sleeps (``enable_sleep_mode`` is refused for it)."""
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting)
 

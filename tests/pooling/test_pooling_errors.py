@@ -78,6 +78,7 @@ def test_options_a_pooling_model_does_not_take(embedder) -> None:
         ({"enable_lora": True}, "enable_lora"),
         ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
         ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "speculative_config"),
+        ({"enable_sleep_mode": True}, "enable_sleep_mode"),
     ):
         with pytest.raises(ValueError, match=field):
             LLM(embedder, **kwargs)
