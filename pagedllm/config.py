@@ -290,6 +290,78 @@ def default_batch_limits(device: torch.device, usage_context: str = "llm") -> tu
     return 8192, 256
 
 
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+@dataclass
+class KVTransferConfig:
+    """A KV connector (pagedllm/kv_transfer/): vLLM's ``kv_transfer_config``. ``kv_connector`` names a registered
+    connector, or a class in ``kv_connector_module_path``; the connector reads ``kv_connector_extra_config``."""
+
+    kv_connector: str
+    kv_role: str = "kv_both"
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+    kv_connector_module_path: str | None = None
+
+    @classmethod
+    def from_dict(cls, value: dict[str, Any] | KVTransferConfig) -> KVTransferConfig:
+        if isinstance(value, KVTransferConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"kv_transfer_config must be a dict, got {type(value).__name__}")
+        known = {"kv_connector", "kv_role", "kv_connector_extra_config", "kv_connector_module_path"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"kv_transfer_config: unknown keys {unknown}; known: {sorted(known)}")
+        if "kv_connector" not in value:
+            raise ValueError("kv_transfer_config.kv_connector is required")
+        return cls(**value)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kv_connector, str) or not self.kv_connector:
+            raise ValueError(f"kv_transfer_config.kv_connector must be a connector name, got {self.kv_connector!r}")
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_transfer_config.kv_role must be one of {KV_ROLES}, got {self.kv_role!r}")
+        if not isinstance(self.kv_connector_extra_config, dict):
+            raise ValueError(
+                "kv_transfer_config.kv_connector_extra_config must be a dict, got "
+                f"{type(self.kv_connector_extra_config).__name__}"
+            )
+        path = self.kv_connector_module_path
+        if path is not None and (not isinstance(path, str) or not path):
+            raise ValueError(f"kv_transfer_config.kv_connector_module_path must be a module name, got {path!r}")
+
+
+def resolve_kv_transfer_config(
+    kv_transfer_config: dict[str, Any] | KVTransferConfig | None,
+    kv_offloading_size: float | None,
+    kv_offloading_backend: str | None,
+    swap_space: float | None,
+) -> KVTransferConfig | None:
+    """The connector the flags ask for: ``kv_transfer_config`` as given, or CPU offloading of
+    ``kv_offloading_size`` GiB (vLLM's flag; ``swap_space``, vLLM's older name, sizes the same pool)."""
+    size, size_field = kv_offloading_size, "kv_offloading_size"
+    if swap_space is not None:
+        if size is not None and size != swap_space:
+            raise ValueError(
+                f"swap_space ({swap_space} GiB) and kv_offloading_size ({size} GiB) size the same CPU pool: give one"
+            )
+        size, size_field = swap_space, "swap_space"
+    if kv_offloading_backend not in (None, "native"):
+        raise ValueError(f"kv_offloading_backend must be 'native', got {kv_offloading_backend!r}")
+    if size is None:
+        if kv_offloading_backend is not None:
+            raise ValueError("kv_offloading_backend needs kv_offloading_size (GiB of CPU memory)")
+        return None if kv_transfer_config is None else KVTransferConfig.from_dict(kv_transfer_config)
+    if isinstance(size, bool) or not isinstance(size, (int, float)) or size <= 0:
+        raise ValueError(f"{size_field} must be a positive number of GiB, got {size!r}")
+    if kv_transfer_config is not None:
+        raise ValueError(f"{size_field} turns on CPU offloading: it cannot be combined with kv_transfer_config")
+    return KVTransferConfig(
+        "OffloadingConnector", "kv_both", {"cpu_bytes_to_use": int(size * 2**30)}
+    )
+
+
 @dataclass
 class SchedulerConfig:
     """``max_num_seqs`` / ``max_num_batched_tokens`` left None take the device's defaults
@@ -634,6 +706,7 @@ class EngineConfig:
     lora_config: LoRAConfig | None = None  # None: LoRA adapters are refused
     enable_sleep_mode: bool = False  # LLM.sleep / wake_up may release device memory (pagedllm/worker/sleep_mode.py)
     worker_extension_cls: str | None = None  # "module.Class" mixed into every rank's Worker (collective_rpc)
+    kv_transfer_config: KVTransferConfig | None = None  # None: no KV connector
 
     @property
     def data_parallel_size(self) -> int:
@@ -743,6 +816,10 @@ def make_engine_config(
     max_cpu_loras: int | None = None,
     kv_cache_dtype: str = "auto",
     disable_hybrid_kv_cache_manager: bool = False,
+    kv_transfer_config: dict[str, Any] | KVTransferConfig | None = None,
+    kv_offloading_size: float | None = None,
+    kv_offloading_backend: str | None = None,
+    swap_space: float | None = None,
     usage_context: str = "llm",
     enable_sleep_mode: bool = False,
     worker_extension_cls: str | None = None,
@@ -756,6 +833,13 @@ def make_engine_config(
 
         get_reasoning_parser(reasoning_parser)  # ValueError naming the valid ones
     # ValueError naming the field, before anything is loaded
+    kv_transfer = resolve_kv_transfer_config(
+        kv_transfer_config, kv_offloading_size, kv_offloading_backend, swap_space
+    )
+    if kv_transfer is not None:
+        from pagedllm.kv_transfer.factory import get_connector_class
+
+        get_connector_class(kv_transfer)  # an unknown name, a module that does not import, a role it refuses
     cudagraph_mode = parse_compilation_config(compilation_config, optimization_level)
     if enable_sleep_mode and speculative_config is not None:
         raise ValueError("enable_sleep_mode: sleep mode with speculative decoding is not supported yet")
@@ -858,6 +942,13 @@ def make_engine_config(
             scheduler_config.async_scheduling = False
         if spec.method not in ("ngram", "medusa"):  # proposers that write their own KV for the drafts
             scheduler_config.num_lookahead_tokens = spec.num_speculative_tokens
+    if kv_transfer is not None:
+        for what, used in (
+            ("speculative_config", spec is not None),
+            ("tensor_parallel_size > 1 or pipeline_parallel_size > 1", parallel_config.world_size > 1),
+        ):
+            if used:
+                raise ValueError(f"kv_transfer_config with {what} is not supported yet")
     return EngineConfig(
         model_config=model_config,
         cache_config=cache_config,
@@ -873,4 +964,5 @@ def make_engine_config(
         lora_config=lora_config,
         enable_sleep_mode=enable_sleep_mode,
         worker_extension_cls=worker_extension_cls,
+        kv_transfer_config=kv_transfer,
     )

@@ -267,6 +267,11 @@ class KVCacheManager:
             parent = hashes[-1] if hashes else None
             hashes.append(hash_block_tokens(parent, request.all_token_ids[i * bs : (i + 1) * bs], extra_keys))
 
+    def update_block_hashes(self, request: Request, num_tokens: int) -> None:
+        """Make ``request.block_hashes`` cover every full block among its first ``num_tokens`` tokens (a KV
+        connector keys its store by them)."""
+        self._update_block_hashes(request, num_tokens)
+
     def get_computed_blocks(self, request: Request) -> tuple[tuple[list[KVCacheBlock], ...], int]:
         """Longest cached prefix of a request that has computed nothing yet: (its blocks in each group, number of
         tokens). Every group's list has one entry per hit block (NULL_BLOCK where a sliding group needs none).

@@ -12,6 +12,7 @@ from pagedllm.sampling_params import SamplingParams
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()  # holds blocks a KV connector is loading; computes nothing meanwhile
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after PREEMPTED is finished.

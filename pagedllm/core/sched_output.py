@@ -7,6 +7,7 @@ process. Tensors never cross the front-end <-> core boundary.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm.lora.request import LoRARequest
 from pagedllm.pooling.params import PoolingParams
@@ -78,6 +79,11 @@ class SchedulerStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)
+    # A KV connector's prefix tier (cumulative): prompt tokens looked up past the device prefix hit, and tokens
+    # it served (loads that succeeded); its own counters by name (KVConnectorBase.get_stats).
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    kv_connector_stats: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -132,6 +138,8 @@ class SchedulerOutput:
     # req_id -> draft tokens to verify this step (speculative decoding). Such a request's scheduled tokens are
     # its last token plus these drafts; the runner returns 1..len(drafts)+1 tokens for it.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # The KV connector's KVConnectorMetadata for this step (None without a connector).
+    kv_connector_metadata: Any = None
 
 
 @dataclass
@@ -143,3 +151,4 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, LogprobsLists] = field(
         default_factory=dict
     )  # rows for positions 1.. this chunk
+    kv_connector_output: Any = None  # the KV connector's KVConnectorOutput (None without a connector)

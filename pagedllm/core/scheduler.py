@@ -42,6 +42,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterable
+from typing import Any
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
@@ -110,8 +111,15 @@ class WaitingQueue:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_loras: int = 0) -> None:
-        """``max_loras``: most distinct LoRA adapters among running requests (0: LoRA is off)."""
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        max_loras: int = 0,
+        connector: Any = None,
+    ) -> None:
+        """``max_loras``: most distinct LoRA adapters among running requests (0: LoRA is off). ``connector``: the
+        scheduler side of a KV connector (pagedllm/kv_transfer/base.py), or None."""
         if config.max_num_seqs is None or config.max_num_batched_tokens is None:
             raise ValueError("the scheduler needs resolved batch limits: call SchedulerConfig.resolve_defaults")
         self.config = config
@@ -140,6 +148,15 @@ class Scheduler:
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_tokens = 0
         self.spec_accepted_per_pos: list[int] = []
+        # KV connector: requests whose blocks it is loading (WAITING_FOR_REMOTE_KVS) -> (device hit, tokens to
+        # load); finished requests whose blocks it still saves.
+        self.connector = connector
+        self.loading: dict[str, tuple[Request, int, int]] = {}
+        self.delayed_free: dict[str, Request] = {}
+        self.external_prefix_cache_queries = 0
+        self.external_prefix_cache_hits = 0
+        if connector is not None:
+            connector.bind_scheduler(kv_cache_manager, self.requests)
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -158,23 +175,85 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                del self.loading[req_id]  # its load was launched already: the blocks are not reused before it
             else:
                 self.waiting.remove(request)
             request.status = status
             self._free(request)
 
     def _free(self, request: Request) -> None:
-        self.kv.free(request)
+        if self.connector is not None and self._connector_keeps_blocks(request):
+            self.delayed_free[request.request_id] = request
+        else:
+            self.kv.free(request)
         self.num_grammar_reqs -= request.grammar is not None
         self.finished_req_ids.add(request.request_id)
         self.preempted_req_ids.discard(request.request_id)
         del self.requests[request.request_id]
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or bool(self.waiting)
+        return bool(self.running) or bool(self.waiting) or bool(self.loading) or bool(self.delayed_free)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.running) + len(self.waiting)
+        return len(self.running) + len(self.waiting) + len(self.loading)
+
+    # ------------------------------------------------------------------ KV connector
+
+    def _connector_keeps_blocks(self, request: Request) -> bool:
+        """Ask the connector whether a finished request's blocks must wait for its saves."""
+        delay, _ = self.connector.request_finished(request, self.kv.get_block_ids(request.request_id))
+        return bool(delay) and request.request_id in self.kv.req_to_blocks
+
+    def _start_load(
+        self, request: Request, hit_blocks: Any, num_hit: int, num_external: int, reserve: int
+    ) -> bool:
+        """Give a waiting request blocks for its device hit and the ``num_external`` tokens the connector will
+        load, and park it until the load is reported; False (nothing changed) when the pool is short."""
+        if not self.kv.allocate_slots(request, num_external, hit_blocks, 0, reserve):
+            return False
+        self.waiting.pop()
+        request.num_computed_tokens = num_hit
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.loading[request.request_id] = (request, num_hit, num_external)
+        self.connector.update_state_after_alloc(request, self.kv.get_block_ids(request.request_id), num_external)
+        return True
+
+    def _update_from_connector(self, output: Any) -> None:
+        """Finished loads: each request is computed up to its first failed block and goes back to the front of
+        the waiting queue (it recomputes the rest); finished saves release delayed blocks."""
+        if output is None:
+            return
+        invalid = output.invalid_block_ids
+        for req_id in output.finished_recving:
+            entry = self.loading.pop(req_id, None)
+            if entry is None:
+                continue  # aborted while loading
+            request, num_hit, num_external = entry
+            num_valid = num_external
+            if invalid:
+                bs = self.block_size
+                block_ids = self.kv.get_block_ids(req_id)
+                for i in range(num_hit // bs, (num_hit + num_external) // bs):
+                    if block_ids[i] in invalid:
+                        num_valid = i * bs - num_hit
+                        logger.warning(
+                            "request %s: the KV connector failed to load %d of %d tokens; recomputing them",
+                            req_id,
+                            num_external - num_valid,
+                            num_external,
+                        )
+                        self.connector.on_load_failed(request, num_hit + num_valid)
+                        break
+            self.external_prefix_cache_hits += num_valid
+            request.num_computed_tokens = num_hit + num_valid
+            self.kv.cache_blocks(request)  # loaded blocks serve later prefix hits on the device too
+            request.status = RequestStatus.WAITING
+            self.waiting.add(request, front=True)
+        for req_id in output.finished_sending:
+            request = self.delayed_free.pop(req_id, None)
+            if request is not None:
+                self.kv.free(request)
 
     # ------------------------------------------------------------------ one step
 
@@ -345,11 +424,22 @@ class Scheduler:
                 if is_long and num_long_partial >= self._max_long_partial:
                     set_aside.append(self.waiting.pop())  # as many long prompts as allowed: shorter ones may go
                     continue
-            hit_blocks, num_hit = None, 0
-            if request.num_computed_tokens == 0:
+            hit_blocks, num_hit, num_external = None, 0, 0
+            if request.num_computed_tokens == 0 and (
+                self.connector is None or request.request_id not in self.kv.req_to_blocks  # (a load came back)
+            ):
                 self._start_rope_regime(request)
                 hit_blocks, num_hit = self.kv.get_computed_blocks(request)
-            num_left = request.num_tokens - num_hit
+                if self.connector is not None:
+                    num_external, _ = self.connector.get_num_new_matched_tokens(request, num_hit)
+                    self.external_prefix_cache_queries += request.num_tokens - num_hit
+            if num_external:
+                if reserve < 0:
+                    reserve = sum(self._growth_blocks(r) for r in self.running)
+                if not self._start_load(request, hit_blocks, num_hit, num_external, reserve):
+                    break
+                continue
+            num_left = request.num_tokens - request.num_computed_tokens - num_hit
             if not self.config.enable_chunked_prefill and num_left > budget:
                 break
             num_new = min(num_left, budget, chunk_cap)
@@ -361,16 +451,21 @@ class Scheduler:
             if reserve < 0:
                 reserve = sum(self._growth_blocks(r) for r in self.running)
             if not self.kv.allocate_slots(request, num_new, hit_blocks, lookahead, reserve):
+                if self.connector is not None and hit_blocks is None and request.request_id in self.kv.req_to_blocks:
+                    # Its load came back but it cannot go on: it must not sit on blocks while it waits. Its loaded
+                    # blocks stay in the device prefix cache (and the connector's store) for its next attempt.
+                    self.kv.free(request)
+                    request.num_computed_tokens = 0
                 break
             self.waiting.pop()
             if max_partial and num_new < num_left:
                 num_partial += 1
                 num_long_partial += is_long
             if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit
+                request.num_cached_tokens = request.num_computed_tokens + num_hit  # (+ a connector's load)
                 request.queue_time = max(0.0, time.monotonic() - request.arrival_time)
                 self.num_prompt_tokens += request.num_prompt_tokens
-            request.num_computed_tokens = num_hit
+            request.num_computed_tokens += num_hit
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             if request.lora_request is not None:
@@ -429,6 +524,8 @@ class Scheduler:
             num_computed_tokens=num_computed_before,
             scheduled_spec_decode_tokens=spec_tokens,
         )
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
         self.finished_req_ids = set()
         self.preempted_req_ids = set()
         return out
@@ -444,6 +541,8 @@ class Scheduler:
             sched.scheduled_spec_decode_tokens, result.prompt_logprobs, result.logprobs
         )
         cache_blocks, async_scheduling, running = self.kv.cache_blocks, self.async_scheduling, RequestStatus.RUNNING
+        if self.connector is not None:
+            self._update_from_connector(result.kv_connector_output)
         for req_id in sched.num_scheduled_tokens:
             request = requests.get(req_id)
             if request is None:
@@ -603,12 +702,25 @@ class Scheduler:
             prefix_cache_hits=self.kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
             num_prompt_tokens=self.num_prompt_tokens,
+            external_prefix_cache_queries=self.external_prefix_cache_queries,
+            external_prefix_cache_hits=self.external_prefix_cache_hits,
+            kv_connector_stats=self.connector.get_stats() if self.connector is not None else {},
             num_generation_tokens=self.num_generation_tokens,
             spec_num_drafts=self.spec_num_drafts,
             spec_num_draft_tokens=self.spec_num_draft_tokens,
             spec_num_accepted_tokens=self.spec_num_accepted_tokens,
             spec_accepted_per_pos=list(self.spec_accepted_per_pos),
         )
+
+    def waiting_with_blocks(self) -> list[Request]:
+        """Waiting requests that hold blocks: only those whose KV connector load came back (they hold the loaded
+        blocks until they are admitted)."""
+        if self.connector is None:
+            return []
+        return [
+            r for r in self.requests.values()
+            if r.status == RequestStatus.WAITING and r.request_id in self.kv.req_to_blocks
+        ]
 
     def check_integrity(self, block_ids: range | None = None) -> None:
         """Assert block-pool invariants and that only live requests own blocks (callable any time).
@@ -617,7 +729,11 @@ class Scheduler:
         """
         self.kv.check_integrity(block_ids)
         live = {r.request_id for r in self.running}
+        live.update(self.loading, self.delayed_free)
+        live.update(r.request_id for r in self.waiting_with_blocks())
         assert set(self.kv.req_to_blocks) <= live, "a request that is not running owns blocks"
-        assert len(self.running) + len(self.waiting) == len(self.requests), "request tables out of sync"
-        if not self.requests:
+        assert len(self.running) + len(self.waiting) + len(self.loading) == len(self.requests), (
+            "request tables out of sync"
+        )
+        if not self.requests and not self.delayed_free:
             assert self.kv.num_free_blocks == self.kv.pool.num_blocks, "blocks leaked with no requests left"

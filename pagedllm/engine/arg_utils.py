@@ -161,6 +161,29 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
         help='speculative decoding, as JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4}\' or \'{"model": DRAFT_DIR, "num_speculative_tokens": 4}\'',
     )
+    parser.add_argument(
+        "--kv-transfer-config",
+        type=_json_dict,
+        default=None,
+        help='a KV connector, as JSON: \'{"kv_connector": "OffloadingConnector", "kv_role": "kv_both", '
+        '"kv_connector_extra_config": {"num_cpu_blocks": 4096}}\'; "kv_connector_module_path" loads one from '
+        "another module",
+    )
+    parser.add_argument(
+        "--kv-offloading-size",
+        type=float,
+        default=None,
+        help="GiB of CPU memory for KV blocks beyond the device cache (a second prefix-cache tier)",
+    )
+    parser.add_argument(
+        "--kv-offloading-backend",
+        default=None,
+        choices=[None, "native"],
+        help="what --kv-offloading-size uses: the native CPU offloading connector",
+    )
+    parser.add_argument(
+        "--swap-space", type=float, default=None, help="vLLM's older name for --kv-offloading-size (GiB)"
+    )
     parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT directories)")
     parser.add_argument(
         "--max-loras", type=int, default=1, help="most distinct LoRA adapters in one batch (GPU slots)"
@@ -260,6 +283,10 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         worker_extension_cls=getattr(args, "worker_extension_cls", None),
         runner=getattr(args, "runner", "auto"),
         pooler_config=getattr(args, "pooler_config", None),
+        kv_transfer_config=getattr(args, "kv_transfer_config", None),
+        kv_offloading_size=getattr(args, "kv_offloading_size", None),
+        kv_offloading_backend=getattr(args, "kv_offloading_backend", None),
+        swap_space=getattr(args, "swap_space", None),
     )
 
 

@@ -132,6 +132,7 @@ class EngineCore:
             config.scheduler_config,
             self.kv_cache_manager,
             max_loras=lora_config.max_loras if lora_config is not None else 0,
+            connector=self._make_kv_connectors(),
         )
         self._lora_paths: dict[int, str] = {}  # lora_int_id -> path, for good: ids key prefix-cache hashes
         self.async_scheduling = config.scheduler_config.async_scheduling
@@ -144,6 +145,26 @@ class EngineCore:
         self.num_integrity_failures = 0
         self.last_integrity_error: str | None = None
         self.kv_cache_info = self._log_kv_cache(num_blocks)
+
+    def _make_kv_connectors(self) -> Any:
+        """The KV connector's two sides (``kv_transfer_config``): the worker side goes to the runner, the scheduler
+        side is returned (None without a connector). ``ValueError`` naming the field for a layout it cannot serve."""
+        transfer = self.config.kv_transfer_config
+        if transfer is None:
+            return None
+        from pagedllm.kv_transfer.base import KVConnectorRole
+        from pagedllm.kv_transfer.factory import create_connector
+
+        if self.runner.kv_layout.group_windows != (None,):
+            raise ValueError(
+                "kv_transfer_config: KV connectors need one full-attention KV cache group; this model has "
+                f"{self.runner.kv_layout.describe()} (sliding-window layers are not supported yet)"
+            )
+        block_bytes = self.runner.kv_block_bytes()
+        self.runner.register_kv_connector(create_connector(self.config, KVConnectorRole.WORKER, block_bytes))
+        connector = create_connector(self.config, KVConnectorRole.SCHEDULER, block_bytes)
+        logger.info("KV connector %s (%s)", transfer.kv_connector, transfer.kv_role)
+        return connector
 
     def _log_kv_cache(self, num_blocks: int) -> dict[str, Any]:
         """Log the KV cache's size and capacity; return ``kv_cache_info``. For a model with sliding-window layers,
@@ -408,6 +429,7 @@ class EngineCore:
             "num_running": len(sched.running),
             "num_waiting": len(sched.waiting),
             "num_requests_holding_blocks": len(kv.req_to_blocks),
+            "num_loading_kv": len(sched.loading),
             "num_blocks": kv.pool.num_blocks,
             "num_free_blocks": kv.num_free_blocks,
             "num_preemptions": sched.num_preemptions,

@@ -91,6 +91,10 @@ class LLM:
         worker_extension_cls: str | None = None,
         runner: str = "auto",
         pooler_config: dict[str, Any] | None = None,
+        kv_transfer_config: dict[str, Any] | None = None,
+        kv_offloading_size: float | None = None,
+        kv_offloading_backend: str | None = None,
+        swap_space: float | None = None,
         **kwargs: Any,
     ) -> None:
         if kwargs:
@@ -144,6 +148,10 @@ class LLM:
             worker_extension_cls=worker_extension_cls,
             runner=runner,
             pooler_config=pooler_config,
+            kv_transfer_config=kv_transfer_config,
+            kv_offloading_size=kv_offloading_size,
+            kv_offloading_backend=kv_offloading_backend,
+            swap_space=swap_space,
         )
         self.llm_engine = LLMEngine(config)
         self._counter = itertools.count()

@@ -61,6 +61,7 @@ class StepInFlight:
     spec_draft_ids: np.ndarray | None = None  # [num_sampled, k] the drafts, padded with 0
     spec_num_accepted: torch.Tensor | None = None  # [num_sampled] int64 accepted drafts (on the host on CUDA)
     output: ModelRunnerOutput | None = None  # set by collect
+    kv_connector_output: Any = None  # the KV connector's report for this step (KVConnectorOutput)
     query_start: np.ndarray | None = None  # [num_reqs + 1] offsets of each request's tokens in the step
     draft_hidden: torch.Tensor | None = None  # [num_tokens, D] hidden states an EAGLE draft reads (else None)
 
@@ -109,6 +110,7 @@ class ModelRunner:
         self.piecewise: PiecewiseGraphRunner | None = None  # the other steps, up to 16k tokens
         self.allow_piecewise = True  # a draft model's runner sets False (see _piecewise_wanted)
         self._last_step: StepInFlight | None = None  # the latest step with sampled tokens
+        self.kv_connector: Any = None  # the worker side of a KV connector (register_kv_connector)
         self._next_step_id = 0
         # EAGLE and Medusa drafts read each step's hidden states (StepInFlight.draft_hidden); such steps run
         # eagerly.
@@ -322,6 +324,33 @@ class ModelRunner:
             "KV cache dtype %s%s", self.kv_cache_dtype, kv_scales_summary(self.model, self.kv_cache_dtype)
         )
 
+    def kv_block_dim(self) -> int:
+        """The dimension of the cache tensors that indexes blocks (1 for ``[2, num_blocks, ...]``)."""
+        one, two = self.kv_cache_shapes(1)[0], self.kv_cache_shapes(2)[0]
+        return next(d for d, (a, b) in enumerate(zip(one, two)) if a != b)
+
+    def register_kv_connector(self, connector: Any) -> None:
+        """Hand the worker side of a KV connector the cache tensors; each step then loads before its forward and
+        saves after it (``_connector_step_start`` / ``_connector_step_end``)."""
+        connector.register_kv_caches(self.kv_caches, self.kv_block_dim())
+        self.kv_connector = connector
+
+    def _connector_step_start(self, sched: SchedulerOutput) -> None:
+        connector = self.kv_connector
+        connector.bind_connector_metadata(sched.kv_connector_metadata)
+        connector.start_load_kv()
+        for layer in range(len(self.kv_caches)):  # the loads are on the compute stream: in order with the forward
+            connector.wait_for_layer_load(layer)
+
+    def _connector_step_end(self, sched: SchedulerOutput, step: StepInFlight) -> None:
+        from pagedllm.kv_transfer.base import KVConnectorOutput
+
+        connector = self.kv_connector
+        connector.wait_for_save()
+        sending, recving = connector.get_finished(sched.finished_req_ids)
+        step.kv_connector_output = KVConnectorOutput(sending, recving, connector.get_block_ids_with_load_errors())
+        connector.clear_connector_metadata()
+
     def shutdown(self) -> None:
         """Drop every device tensor this runner holds: the CUDA graphs (and their memory pools) first, then the KV
         cache, the step in flight, the persistent batch's buffers, LoRA slots and the weights. The runner cannot
@@ -330,6 +359,7 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)  # nothing queued may still write into what is dropped here
         self.graph_runner = self.piecewise = None
         self._last_step = None
+        self.kv_connector = None  # (a CPU store's pinned memory with it)
         self.kv_caches = []
         self.input_batch = None
         self.lora_manager = None
@@ -527,6 +557,10 @@ class ModelRunner:
         self._update_batch(sched)
         step = StepInFlight(step_id=self._next_step_id)
         self._next_step_id += 1
+        if self.kv_connector is not None:
+            self._connector_step_start(sched)
+            if sched.total_num_scheduled_tokens == 0:
+                self._connector_step_end(sched, step)
         if sched.total_num_scheduled_tokens == 0:
             return step
         batch = self.input_batch
@@ -628,6 +662,8 @@ class ModelRunner:
                 # [num_tokens, hidden_size], or (that, aux hidden states) for an EAGLE-3 draft; None on a pipeline
                 # stage before the last
                 hidden = self._forward(input_ids_dev, positions_dev, self.kv_caches, meta)
+        if self.kv_connector is not None:
+            self._connector_step_end(sched, step)
         if isinstance(hidden, tuple):
             hidden, step.draft_hidden = hidden
         elif self.keep_hidden:
@@ -804,6 +840,7 @@ class ModelRunner:
             return step.output
         out = ModelRunnerOutput(sampled_token_ids={r: [] for r in step.req_ids})
         out.prompt_logprobs = step.prompt_logprobs
+        out.kv_connector_output = step.kv_connector_output
         step.output = out
         if step.sampled_host is None:
             return out

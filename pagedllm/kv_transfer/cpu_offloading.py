@@ -1,0 +1,254 @@
+"""CPU offloading: a second, larger prefix-cache tier in host memory.
+
+Write-through: each full block whose KV a step computed (or loaded) is copied to a CPU slot after that step's
+forward, unless its hash is already there. A block the device prefix cache later evicts is therefore still in the
+CPU tier, as long as the tier's own LRU keeps it. A request whose prefix misses the device cache looks up the
+CPU tier for the blocks right after its device hit (chained hashes, so a hit is a whole prefix); the hit blocks are
+copied into fresh device blocks before the request computes anything, and then registered in the device prefix
+cache like computed ones.
+
+Sizing: ``kv_connector_extra_config`` gives ``num_cpu_blocks`` or ``cpu_bytes_to_use`` (bytes, divided by one
+device block's bytes over all layers); ``--kv-offloading-size`` / ``swap_space`` (GiB) set the latter.
+
+Ordering (why no slot is read while it is overwritten): within a step the worker does the loads before the forward
+and the saves after it, and steps run in order (on CUDA every copy goes on the compute stream, asynchronous to the
+host, ordered with the forwards). A slot evicted by this step's saves may be read by this step's loads only, which
+come first; a device block is reused by a later step only, after this step's saves.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pagedllm.kv_transfer.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+
+if TYPE_CHECKING:
+    from pagedllm.config import EngineConfig
+    from pagedllm.core.kv_cache_manager import KVCacheManager
+    from pagedllm.core.request import Request
+    from pagedllm.core.sched_output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class OffloadingMetadata(KVConnectorMetadata):
+    """One step's copies, as (CPU slot, device block id) pairs."""
+
+    loads: list[tuple[int, int]] = field(default_factory=list)  # CPU slot -> device block, before the forward
+    load_req_ids: list[str] = field(default_factory=list)  # requests whose loads these are
+    stores: list[tuple[int, int]] = field(default_factory=list)  # device block -> CPU slot, after the forward
+
+
+def num_cpu_blocks_from(extra: dict[str, Any], kv_block_bytes: int) -> int:
+    """The CPU tier's size in blocks (``ValueError`` naming the field when missing or not positive)."""
+    if "num_cpu_blocks" in extra:
+        n = extra["num_cpu_blocks"]
+        field_name = "num_cpu_blocks"
+    elif "cpu_bytes_to_use" in extra:
+        n = int(extra["cpu_bytes_to_use"]) // max(kv_block_bytes, 1)
+        field_name = "cpu_bytes_to_use"
+    else:
+        raise ValueError(
+            "kv_transfer_config.kv_connector_extra_config: OffloadingConnector needs num_cpu_blocks or "
+            "cpu_bytes_to_use (or start with --kv-offloading-size GiB)"
+        )
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(
+            f"kv_transfer_config.kv_connector_extra_config.{field_name}: the CPU tier must hold at least one "
+            f"block ({kv_block_bytes} bytes), got {extra[field_name]!r}"
+        )
+    return n
+
+
+class OffloadingConnector(KVConnectorBase):
+    supported_roles = ("kv_both",)
+
+    def __init__(self, config: EngineConfig, role: KVConnectorRole, kv_block_bytes: int) -> None:
+        super().__init__(config, role, kv_block_bytes)
+        self.num_cpu_blocks = num_cpu_blocks_from(self.extra_config, kv_block_bytes)
+        # Scheduler side.
+        self._kv: KVCacheManager | None = None
+        self._requests: dict[str, Request] = {}
+        self._cpu: OrderedDict[bytes, int] = OrderedDict()  # block hash -> CPU slot, least recently used first
+        self._free_slots = list(range(self.num_cpu_blocks - 1, -1, -1))
+        self._num_saved: dict[str, int] = {}  # req_id -> leading blocks already offered to the CPU tier
+        self._loads: list[tuple[int, int]] = []
+        self._load_req_ids: list[str] = []
+        self.num_lookup_tokens = 0  # tokens looked up in the CPU tier
+        self.num_hit_tokens = 0  # tokens the CPU tier served (loads scheduled)
+        self.num_stored_blocks = 0
+        self.num_evicted_blocks = 0
+        # Worker side.
+        self._cpu_caches: list[torch.Tensor] = []  # one per distinct device cache tensor
+        self._dev_caches: list[torch.Tensor] = []
+        self._block_dim = 1
+        self._finished_recving: set[str] = set()
+        self._load_errors: set[int] = set()
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def bind_scheduler(self, kv_cache_manager: KVCacheManager, requests: dict[str, Request]) -> None:
+        self._kv = kv_cache_manager
+        self._requests = requests
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        if request.sampling_params.prompt_logprobs is not None or self._kv is None:
+            return 0, False  # cached positions would have no logits
+        bs = self.block_size
+        start = num_computed_tokens // bs
+        end = (request.num_tokens - 1) // bs  # at least one token left to compute
+        if end <= start:
+            return 0, False
+        self.num_lookup_tokens += (end - start) * bs
+        self._kv.update_block_hashes(request, end * bs)
+        hashes = request.block_hashes
+        n = 0
+        for i in range(start, end):
+            if hashes[i] not in self._cpu:
+                break
+            self._cpu.move_to_end(hashes[i])
+            n += 1
+        return n * bs, True
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        if num_external_tokens == 0:
+            return
+        bs = self.block_size
+        start = request.num_computed_tokens // bs
+        end = start + num_external_tokens // bs
+        for i in range(start, end):  # nothing evicts between the lookup and here (only build_connector_meta does)
+            self._loads.append((self._cpu[request.block_hashes[i]], block_ids[i]))
+        self._load_req_ids.append(request.request_id)
+        self._num_saved[request.request_id] = end  # those blocks are in the CPU tier already
+        self.num_hit_tokens += num_external_tokens
+
+    def _take_slot(self, taken_now: set[int]) -> int | None:
+        """A free CPU slot, evicting the least recently used block; None when every slot was filled this step."""
+        if self._free_slots:
+            return self._free_slots.pop()
+        block_hash, slot = next(iter(self._cpu.items()))
+        if slot in taken_now:
+            return None
+        del self._cpu[block_hash]
+        self.num_evicted_blocks += 1
+        return slot
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadingMetadata:
+        meta = OffloadingMetadata(self._loads, self._load_req_ids)
+        self._loads, self._load_req_ids = [], []
+        kv, requests, cpu, bs = self._kv, self._requests, self._cpu, self.block_size
+        if kv is None or not self.is_producer:
+            return meta
+        taken_now: set[int] = set()
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = requests.get(req_id)
+            if request is None:
+                continue
+            # Full blocks whose tokens the host knows and whose KV exists once this step is done.
+            num_full = min(request.num_computed_tokens, request.num_tokens) // bs
+            start = self._num_saved.get(req_id, 0)
+            if num_full <= start:
+                continue
+            kv.update_block_hashes(request, num_full * bs)
+            blocks = kv.req_to_blocks[req_id]
+            hashes = request.block_hashes
+            for i in range(start, num_full):
+                block_hash = hashes[i]
+                if block_hash in cpu:
+                    cpu.move_to_end(block_hash)
+                    continue
+                slot = self._take_slot(taken_now)
+                if slot is None:
+                    break
+                taken_now.add(slot)
+                cpu[block_hash] = slot
+                meta.stores.append((blocks[i].block_id, slot))
+            self._num_saved[req_id] = num_full
+        self.num_stored_blocks += len(meta.stores)
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._num_saved.pop(request.request_id, None)
+        return False, None  # saves are ordered before any reuse of the blocks (module docstring)
+
+    def on_load_failed(self, request: Request, num_valid_tokens: int) -> None:
+        """Drop the blocks past the valid ones from the CPU tier (their slots are not trusted any more); the
+        request saves them again once it has recomputed them."""
+        self._num_saved[request.request_id] = num_valid_tokens // self.block_size
+        for block_hash in request.block_hashes[num_valid_tokens // self.block_size :]:
+            slot = self._cpu.pop(block_hash, None)
+            if slot is not None:
+                self._free_slots.append(slot)
+
+    def get_stats(self) -> dict[str, int]:
+        return {
+            "cpu_lookup_tokens": self.num_lookup_tokens,
+            "cpu_hit_tokens": self.num_hit_tokens,
+            "cpu_stored_blocks": self.num_stored_blocks,
+            "cpu_evicted_blocks": self.num_evicted_blocks,
+            "cpu_used_blocks": len(self._cpu),
+            "cpu_num_blocks": self.num_cpu_blocks,
+        }
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: list[torch.Tensor], block_dim: int) -> None:
+        seen: set[int] = set()
+        self._block_dim = block_dim
+        pin = any(c.device.type == "cuda" for c in kv_caches)
+        for cache in kv_caches:
+            if cache.data_ptr() in seen:
+                continue
+            seen.add(cache.data_ptr())
+            shape = list(cache.shape)
+            shape[block_dim] = self.num_cpu_blocks
+            self._dev_caches.append(cache)
+            self._cpu_caches.append(torch.zeros(shape, dtype=cache.dtype, device="cpu", pin_memory=pin))
+        total = sum(c.numel() * c.element_size() for c in self._cpu_caches)
+        logger.info(
+            "CPU KV offloading: %d blocks (%.2f GiB%s)", self.num_cpu_blocks, total / 2**30, ", pinned" if pin else ""
+        )
+
+    def _copy(self, pairs: list[tuple[int, int]], to_device: bool) -> None:
+        """Copy blocks: (CPU slot, device block) pairs into the device (``to_device``), (device block, CPU slot)
+        pairs out of it."""
+        d = self._block_dim
+        for dev, cpu in zip(self._dev_caches, self._cpu_caches):
+            for a, b in pairs:
+                if to_device:
+                    dev.narrow(d, b, 1).copy_(cpu.narrow(d, a, 1), non_blocking=True)
+                else:
+                    cpu.narrow(d, b, 1).copy_(dev.narrow(d, a, 1), non_blocking=True)
+
+    def load_blocks(self, loads: list[tuple[int, int]]) -> set[int]:
+        """Copy (CPU slot, device block) pairs in; returns the device blocks that failed (none here: a connector
+        over a store that can fail overrides this)."""
+        self._copy(loads, to_device=True)
+        return set()
+
+    def start_load_kv(self) -> None:
+        meta = self._metadata
+        if not isinstance(meta, OffloadingMetadata):
+            return
+        if meta.loads:
+            self._load_errors |= self.load_blocks(meta.loads)
+        self._finished_recving.update(meta.load_req_ids)
+
+    def wait_for_save(self) -> None:
+        meta = self._metadata
+        if isinstance(meta, OffloadingMetadata) and meta.stores:
+            self._copy(meta.stores, to_device=False)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        done, self._finished_recving = self._finished_recving, set()
+        return set(), done
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors

@@ -1,0 +1,17 @@
+"""Connectors that live outside the package (found through ``kv_connector_module_path``)."""
+
+from __future__ import annotations
+
+from pagedllm.kv_transfer.cpu_offloading import OffloadingConnector
+
+
+class FailingLoadConnector(OffloadingConnector):
+    """CPU offloading whose every load fails: it writes garbage into the device blocks it should fill and reports
+    them all as failed, so the engine must recompute them."""
+
+    def load_blocks(self, loads: list[tuple[int, int]]) -> set[int]:
+        d = self._block_dim
+        for dev in self._dev_caches:
+            for _, block_id in loads:
+                dev.narrow(d, block_id, 1).fill_(1e4)
+        return {block_id for _, block_id in loads}
