@@ -70,6 +70,13 @@ class PrometheusStatLogger:
             "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
         )
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.external_prefix_cache_queries = counter(
+            "external_prefix_cache_queries",
+            "Prompt tokens looked up in a KV connector's store (the CPU offloading tier) past the device hit.",
+        )
+        self.external_prefix_cache_hits = counter(
+            "external_prefix_cache_hits", "Prompt tokens loaded from a KV connector's store instead of recomputed."
+        )
         self.num_preemptions = counter("num_preemptions", "Requests preempted (their KV cache freed) so far.")
         self.integrity_check_failures = counter(
             "integrity_check_failures", "Failed idle-time KV cache integrity checks (nonzero means a bug)."
@@ -143,6 +150,12 @@ class PrometheusStatLogger:
         self.kv_cache_usage.set(stats.kv_cache_usage)
         self._advance(self.prefix_cache_queries, "prefix_cache_queries", stats.prefix_cache_queries)
         self._advance(self.prefix_cache_hits, "prefix_cache_hits", stats.prefix_cache_hits)
+        self._advance(
+            self.external_prefix_cache_queries, "external_prefix_cache_queries", stats.external_prefix_cache_queries
+        )
+        self._advance(
+            self.external_prefix_cache_hits, "external_prefix_cache_hits", stats.external_prefix_cache_hits
+        )
         self._advance(self.num_preemptions, "num_preemptions", stats.num_preemptions)
         self._advance(self.integrity_check_failures, "num_integrity_failures", stats.num_integrity_failures)
         if stats.spec_num_drafts or "spec_num_drafts" in self._last_cumulative:

@@ -141,3 +141,47 @@ def test_abort_while_loading_frees_the_blocks(tiny_llama):
     while engine.has_unfinished_requests():
         engine.step()
     assert_no_leaks(llm)
+
+
+async def test_core_process_reports_cpu_tier_hits(tiny_llama):
+    """Through AsyncLLM (the engine core in its own process): the CPU tier's hits reach the stats and Prometheus."""
+    import asyncio
+
+    from pagedllm.config import make_engine_config
+    from pagedllm.engine.async_llm import AsyncLLM
+    from pagedllm.metrics import PrometheusStatLogger
+    from pagedllm.sampling_params import RequestOutputKind
+
+    config = make_engine_config(
+        tiny_llama,
+        dtype="float32",
+        device="cpu",
+        block_size=BLOCK_SIZE,
+        max_model_len=64,
+        num_gpu_blocks_override=NUM_BLOCKS,
+        kv_offloading_size=0.01,
+    )
+    metrics = PrometheusStatLogger("tiny")
+    engine = AsyncLLM(config, stat_loggers=[metrics.record])
+    params = SamplingParams(
+        temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY
+    )
+    try:
+        async def run(i: int, prompt: list[int]) -> list[int]:
+            outs = [o async for o in engine.generate({"prompt_token_ids": prompt}, params, f"r{i}")]
+            return outs[-1].outputs[0].token_ids
+
+        prompts = make_prompts()
+        first = await asyncio.wait_for(asyncio.gather(*(run(i, p) for i, p in enumerate(prompts))), 120)
+        second = await asyncio.wait_for(
+            asyncio.gather(*(run(len(prompts) + i, p) for i, p in enumerate(prompts))), 120
+        )
+        assert first == second
+        stats = await engine.get_stats()
+        assert stats.external_prefix_cache_hits > 0 and stats.num_integrity_failures == 0
+        await engine.check_integrity()
+        metrics.record_scheduler_stats(stats)
+        text = metrics.render().decode()
+        assert f'pagedllm:external_prefix_cache_hits_total{{model_name="tiny"}} {float(stats.external_prefix_cache_hits)}' in text
+    finally:
+        engine.shutdown()
