@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pagedllm.kv_transfer.base import KVConnectorBase
 from pagedllm.kv_transfer.cpu_offloading import OffloadingConnector
 
 
@@ -15,3 +16,14 @@ class FailingLoadConnector(OffloadingConnector):
             for _, block_id in loads:
                 dev.narrow(d, block_id, 1).fill_(1e4)
         return {block_id for _, block_id in loads}
+
+
+class DelayedFreeConnector(KVConnectorBase):
+    """Keeps a finished request's blocks until the worker side has seen it finish (as a connector that sends KV
+    to another engine would, until the send is done)."""
+
+    def request_finished(self, request, block_ids):
+        return True, None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        return set(finished_req_ids), set()

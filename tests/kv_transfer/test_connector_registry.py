@@ -129,3 +129,29 @@ def test_base_connector_is_a_no_op(tiny_llama):
 
 class NoOpConnector(KVConnectorBase):
     pass
+
+
+def test_delayed_free_keeps_blocks_until_the_worker_reports_them(tiny_llama):
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(
+        tiny_llama,
+        device="cpu",
+        dtype="float32",
+        block_size=4,
+        kv_transfer_config={"kv_connector": "DelayedFreeConnector", "kv_connector_module_path": "tests.kv_transfer.connectors"},
+    )
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    engine.add_request("a", {"prompt_token_ids": [5, 6, 7, 8, 9, 10]}, params)
+    scheduler = engine.engine_core.scheduler
+    while not scheduler.delayed_free:
+        engine.step()
+    assert "a" in engine.engine_core.kv_cache_manager.req_to_blocks  # finished, blocks still held
+    engine.engine_core.check_integrity()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert not scheduler.delayed_free
+    kv = engine.engine_core.kv_cache_manager
+    assert kv.num_free_blocks == kv.pool.num_blocks
+    engine.engine_core.check_integrity()
