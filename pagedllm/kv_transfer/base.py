@@ -131,6 +131,24 @@ class KVConnectorBase:
         """The runner's cache tensors, one per layer (layers may share one); ``block_dim`` is the dimension that
         indexes blocks (1 for ``[2, num_blocks, block_size, num_kv_heads, head_dim]``)."""
 
+    def begin_step(self, metadata: KVConnectorMetadata | None, num_layers: int) -> None:
+        """What the runner calls before a step's forward: bind the metadata, start the loads. The runner's
+        forward has no per-layer hook yet, so every layer's load is waited for here (a connector whose loads go on
+        the compute stream, as CPU offloading's, waits for nothing)."""
+        self.bind_connector_metadata(metadata)
+        self.start_load_kv()
+        for layer in range(num_layers):
+            self.wait_for_layer_load(layer)
+
+    def end_step(self, finished_req_ids: set[str]) -> KVConnectorOutput:
+        """What the runner calls after a step's forward (or instead of it, for a step with no tokens): the saves,
+        then the report for the scheduler."""
+        self.wait_for_save()
+        sending, recving = self.get_finished(finished_req_ids)
+        output = KVConnectorOutput(sending, recving, self.get_block_ids_with_load_errors())
+        self.clear_connector_metadata()
+        return output
+
     def bind_connector_metadata(self, metadata: KVConnectorMetadata | None) -> None:
         self._metadata = metadata
 

@@ -331,25 +331,9 @@ class ModelRunner:
 
     def register_kv_connector(self, connector: Any) -> None:
         """Hand the worker side of a KV connector the cache tensors; each step then loads before its forward and
-        saves after it (``_connector_step_start`` / ``_connector_step_end``)."""
+        saves after it (``KVConnectorBase.begin_step`` / ``end_step``)."""
         connector.register_kv_caches(self.kv_caches, self.kv_block_dim())
         self.kv_connector = connector
-
-    def _connector_step_start(self, sched: SchedulerOutput) -> None:
-        connector = self.kv_connector
-        connector.bind_connector_metadata(sched.kv_connector_metadata)
-        connector.start_load_kv()
-        for layer in range(len(self.kv_caches)):  # the loads are on the compute stream: in order with the forward
-            connector.wait_for_layer_load(layer)
-
-    def _connector_step_end(self, sched: SchedulerOutput, step: StepInFlight) -> None:
-        from pagedllm.kv_transfer.base import KVConnectorOutput
-
-        connector = self.kv_connector
-        connector.wait_for_save()
-        sending, recving = connector.get_finished(sched.finished_req_ids)
-        step.kv_connector_output = KVConnectorOutput(sending, recving, connector.get_block_ids_with_load_errors())
-        connector.clear_connector_metadata()
 
     def shutdown(self) -> None:
         """Drop every device tensor this runner holds: the CUDA graphs (and their memory pools) first, then the KV
@@ -558,9 +542,9 @@ class ModelRunner:
         step = StepInFlight(step_id=self._next_step_id)
         self._next_step_id += 1
         if self.kv_connector is not None:
-            self._connector_step_start(sched)
+            self.kv_connector.begin_step(sched.kv_connector_metadata, len(self.kv_caches))
             if sched.total_num_scheduled_tokens == 0:
-                self._connector_step_end(sched, step)
+                step.kv_connector_output = self.kv_connector.end_step(sched.finished_req_ids)
         if sched.total_num_scheduled_tokens == 0:
             return step
         batch = self.input_batch
@@ -663,7 +647,7 @@ class ModelRunner:
                 # stage before the last
                 hidden = self._forward(input_ids_dev, positions_dev, self.kv_caches, meta)
         if self.kv_connector is not None:
-            self._connector_step_end(sched, step)
+            step.kv_connector_output = self.kv_connector.end_step(sched.finished_req_ids)
         if isinstance(hidden, tuple):
             hidden, step.draft_hidden = hidden
         elif self.keep_hidden:
