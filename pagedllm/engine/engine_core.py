@@ -438,7 +438,12 @@ class EngineCore:
         }
 
     def reset_prefix_cache(self) -> bool:
-        return self.kv_cache_manager.reset_prefix_cache()
+        """Forget every cached prefix, the KV connector's store too (prefix caching spans both); False, changing
+        nothing, while a block is in use."""
+        if not self.kv_cache_manager.reset_prefix_cache():
+            return False
+        connector = self.scheduler.connector
+        return connector is None or connector.reset_cache()
 
     # ------------------------------------------------------------------ rollout-engine hooks (RL frameworks)
 

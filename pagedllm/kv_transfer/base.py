@@ -121,6 +121,11 @@ class KVConnectorBase:
         worker reports it in ``finished_sending``."""
         return False, None
 
+    def reset_cache(self) -> bool:
+        """Forget what the store holds (the engine's ``reset_prefix_cache``, called when no block is in use);
+        False when it cannot."""
+        return True
+
     def get_stats(self) -> dict[str, int]:
         """Cumulative counters for logs and tests (connector-defined names)."""
         return {}

@@ -186,6 +186,13 @@ class OffloadingConnector(KVConnectorBase):
             if slot is not None:
                 self._free_slots.append(slot)
 
+    def reset_cache(self) -> bool:
+        """Forget the CPU tier. Slots may be rewritten at once: a load of a step already launched comes before any
+        later step's saves (module docstring)."""
+        self._cpu.clear()
+        self._free_slots = list(range(self.num_cpu_blocks - 1, -1, -1))
+        return True
+
     def get_stats(self) -> dict[str, int]:
         return {
             "cpu_lookup_tokens": self.num_lookup_tokens,

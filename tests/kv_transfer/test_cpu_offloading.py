@@ -133,7 +133,7 @@ def test_abort_while_loading_frees_the_blocks(tiny_llama):
     llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
     engine = llm.llm_engine
     # Evict the device prefix cache so the next request hits the CPU tier only.
-    assert engine.engine_core.reset_prefix_cache()
+    assert engine.engine_core.kv_cache_manager.reset_prefix_cache()
     engine.add_request("x", {"prompt_token_ids": prompts[0]}, PARAMS)
     engine.step()
     assert "x" in engine.engine_core.scheduler.loading
@@ -185,3 +185,16 @@ async def test_core_process_reports_cpu_tier_hits(tiny_llama):
         assert f'pagedllm:external_prefix_cache_hits_total{{model_name="tiny"}} {float(stats.external_prefix_cache_hits)}' in text
     finally:
         engine.shutdown()
+
+
+def test_reset_prefix_cache_forgets_the_cpu_tier_too(tiny_llama):
+    llm = make_llm(tiny_llama, kv_offloading_size=0.01)
+    prompts = make_prompts()
+    llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
+    core = llm.llm_engine.engine_core
+    assert core.get_stats().kv_connector_stats["cpu_used_blocks"] > 0
+    assert core.reset_prefix_cache()
+    assert core.get_stats().kv_connector_stats["cpu_used_blocks"] == 0
+    llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
+    assert core.get_stats().external_prefix_cache_hits == 0
+    assert_no_leaks(llm)
