@@ -1,0 +1,44 @@
+"""The offloading connector's worker side on CPU tensors: blocks saved after a step come back bit for bit, for
+the usual cache layout and for one indexed by blocks in dimension 0 (MLA's), with layers sharing a tensor."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pagedllm.config import KVTransferConfig
+from pagedllm.kv_transfer.base import KVConnectorRole
+from pagedllm.kv_transfer.cpu_offloading import OffloadingConnector, OffloadingMetadata
+
+
+def make_worker(num_cpu_blocks: int = 4) -> OffloadingConnector:
+    config = SimpleNamespace(
+        kv_transfer_config=KVTransferConfig(
+            "OffloadingConnector", kv_connector_extra_config={"num_cpu_blocks": num_cpu_blocks}
+        ),
+        cache_config=SimpleNamespace(block_size=4),
+    )
+    return OffloadingConnector(config, KVConnectorRole.WORKER, kv_block_bytes=1)
+
+
+@pytest.mark.parametrize("shape, block_dim", [((2, 6, 4, 2, 8), 1), ((6, 4, 24), 0)])
+def test_saved_blocks_load_back_exactly(shape, block_dim):
+    torch.manual_seed(0)
+    layer0, layer1 = torch.randn(shape), torch.randn(shape)
+    caches = [layer0, layer1, layer0]  # a tensor shared by two layers is copied once
+    worker = make_worker()
+    worker.register_kv_caches(caches, block_dim)
+    assert len(worker._cpu_caches) == 2
+    want = [c.narrow(block_dim, 3, 1).clone() for c in (layer0, layer1)]
+    worker.begin_step(OffloadingMetadata(stores=[(3, 1)]), len(caches))
+    out = worker.end_step(set())
+    assert out.is_empty()
+    for c in (layer0, layer1):
+        c.narrow(block_dim, 5, 1).zero_()
+    worker.begin_step(OffloadingMetadata(loads=[(1, 5)], load_req_ids=["r"]), len(caches))
+    out = worker.end_step(set())
+    assert out.finished_recving == {"r"} and not out.invalid_block_ids
+    for c, w in zip((layer0, layer1), want):
+        assert torch.equal(c.narrow(block_dim, 5, 1), w)
