@@ -152,6 +152,7 @@ class Scheduler:
         # load); finished requests whose blocks it still saves.
         self.connector = connector
         self.loading: dict[str, tuple[Request, int, int]] = {}
+        self.parked: set[str] = set()  # waiting requests back from a load, holding its blocks until admitted
         self.delayed_free: dict[str, Request] = {}
         self.external_prefix_cache_queries = 0
         self.external_prefix_cache_hits = 0
@@ -187,6 +188,7 @@ class Scheduler:
             self.delayed_free[request.request_id] = request
         else:
             self.kv.free(request)
+            self.parked.discard(request.request_id)
         self.num_grammar_reqs -= request.grammar is not None
         self.finished_req_ids.add(request.request_id)
         self.preempted_req_ids.discard(request.request_id)
@@ -217,6 +219,20 @@ class Scheduler:
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         self.loading[request.request_id] = (request, num_hit, num_external)
         self.connector.update_state_after_alloc(request, self.kv.get_block_ids(request.request_id), num_external)
+        return True
+
+    def _release_parked(self) -> bool:
+        """Free the blocks of the requests parked after their load (``parked``): a running request that must grow
+        or a waiting one that must be admitted comes first, so nothing waits on blocks that wait themselves. Their
+        loaded blocks stay in the device prefix cache, where their next admission finds them. Whether any were
+        freed."""
+        if not self.parked:
+            return False
+        for req_id in self.parked:
+            request = self.requests[req_id]
+            self.kv.free(request)
+            request.num_computed_tokens = 0
+        self.parked.clear()
         return True
 
     def _update_from_connector(self, output: Any) -> None:
@@ -250,6 +266,7 @@ class Scheduler:
             self.kv.cache_blocks(request)  # loaded blocks serve later prefix hits on the device too
             request.status = RequestStatus.WAITING
             self.waiting.add(request, front=True)
+            self.parked.add(req_id)
         for req_id in output.finished_sending:
             request = self.delayed_free.pop(req_id, None)
             if request is not None:
@@ -373,6 +390,8 @@ class Scheduler:
                         num_new += num_drafts
             lookahead = self._lookahead(request.num_computed_tokens + num_new, num_total) if drafting else 0
             while not allocate_slots(request, num_new, num_lookahead_tokens=lookahead):
+                if self.parked and self._release_parked():
+                    continue
                 preempted = True
                 i = 0  # the running list changed: rescan, skipping requests already visited
                 victim = self._preempt_one()
@@ -426,7 +445,7 @@ class Scheduler:
                     continue
             hit_blocks, num_hit, num_external = None, 0, 0
             if request.num_computed_tokens == 0 and (
-                self.connector is None or request.request_id not in self.kv.req_to_blocks  # (a load came back)
+                self.connector is None or request.request_id not in self.parked  # (its load came back)
             ):
                 self._start_rope_regime(request)
                 hit_blocks, num_hit = self.kv.get_computed_blocks(request)
@@ -451,13 +470,11 @@ class Scheduler:
             if reserve < 0:
                 reserve = sum(self._growth_blocks(r) for r in self.running)
             if not self.kv.allocate_slots(request, num_new, hit_blocks, lookahead, reserve):
-                if self.connector is not None and hit_blocks is None and request.request_id in self.kv.req_to_blocks:
-                    # Its load came back but it cannot go on: it must not sit on blocks while it waits. Its loaded
-                    # blocks stay in the device prefix cache (and the connector's store) for its next attempt.
-                    self.kv.free(request)
-                    request.num_computed_tokens = 0
+                self._release_parked()  # (with a connector) so that the next step can admit the queue's head
                 break
             self.waiting.pop()
+            if self.parked:
+                self.parked.discard(request.request_id)
             if max_partial and num_new < num_left:
                 num_partial += 1
                 num_long_partial += is_long
@@ -712,16 +729,6 @@ class Scheduler:
             spec_accepted_per_pos=list(self.spec_accepted_per_pos),
         )
 
-    def waiting_with_blocks(self) -> list[Request]:
-        """Waiting requests that hold blocks: only those whose KV connector load came back (they hold the loaded
-        blocks until they are admitted)."""
-        if self.connector is None:
-            return []
-        return [
-            r for r in self.requests.values()
-            if r.status == RequestStatus.WAITING and r.request_id in self.kv.req_to_blocks
-        ]
-
     def check_integrity(self, block_ids: range | None = None) -> None:
         """Assert block-pool invariants and that only live requests own blocks (callable any time).
 
@@ -729,8 +736,7 @@ class Scheduler:
         """
         self.kv.check_integrity(block_ids)
         live = {r.request_id for r in self.running}
-        live.update(self.loading, self.delayed_free)
-        live.update(r.request_id for r in self.waiting_with_blocks())
+        live.update(self.loading, self.delayed_free, self.parked)
         assert set(self.kv.req_to_blocks) <= live, "a request that is not running owns blocks"
         assert len(self.running) + len(self.waiting) + len(self.loading) == len(self.requests), (
             "request tables out of sync"

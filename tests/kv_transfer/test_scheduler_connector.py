@@ -117,9 +117,9 @@ def test_abort_while_loading_frees_everything():
 
 def test_random_runs_keep_pool_invariants():
     num_hit = num_failed = 0
-    for seed in range(6):
+    for seed in range(12):
         rng = random.Random(seed)
-        s = make_scheduler(num_blocks=rng.choice([18, 24, 40]), num_cpu_blocks=rng.choice([6, 16, 64]))
+        s = make_scheduler(num_blocks=rng.choice([12, 18, 24, 40]), num_cpu_blocks=rng.choice([6, 16, 64]))
         prefixes = [[rng.randrange(100) for _ in range(rng.choice([8, 12, 20]))] for _ in range(3)]
         n = 0
         for _ in range(120):
@@ -143,3 +143,23 @@ def test_random_runs_keep_pool_invariants():
         assert s.kv.num_free_blocks == s.kv.pool.num_blocks
         num_hit += s.external_prefix_cache_hits
     assert num_hit > 0 and num_failed > 0
+
+
+def test_a_parked_request_gives_its_blocks_to_a_running_one():
+    """b's load comes back but b cannot be admitted (max_num_seqs=1 while r runs); r must grow into b's blocks
+    instead of preempting itself and then waiting forever behind them."""
+    s = make_scheduler(num_blocks=10)
+    s.config.max_num_seqs = 1
+    prompt = list(range(10, 30))
+    s.add_request(make_request("a", prompt, max_tokens=1))
+    run_to_end(s)
+    s.kv.reset_prefix_cache()
+    s.add_request(make_request("b", prompt, max_tokens=1))
+    s.add_request(make_request("r", list(range(50, 58)), max_tokens=30))
+    out = s.schedule()
+    assert "b" in s.loading and out.num_scheduled_tokens == {"r": 8}
+    s.update_from_output(out, fake_run(s, out))
+    assert s.parked == {"b"}
+    run_to_end(s)
+    assert s.num_preemptions == 0
+    assert s.kv.num_free_blocks == s.kv.pool.num_blocks
