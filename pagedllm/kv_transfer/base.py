@@ -83,6 +83,11 @@ class KVConnectorBase:
         self.block_size = config.cache_config.block_size
         self._metadata: KVConnectorMetadata | None = None
 
+    @classmethod
+    def check_extra_config(cls, extra: dict[str, Any]) -> None:
+        """``ValueError`` naming the key when ``kv_connector_extra_config`` cannot work (called before the model
+        loads)."""
+
     @property
     def is_producer(self) -> bool:
         return self.transfer_config.kv_role in ("kv_producer", "kv_both")

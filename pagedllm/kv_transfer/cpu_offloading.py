@@ -46,12 +46,16 @@ class OffloadingMetadata(KVConnectorMetadata):
 
 
 def num_cpu_blocks_from(extra: dict[str, Any], kv_block_bytes: int) -> int:
-    """The CPU tier's size in blocks (``ValueError`` naming the field when missing or not positive)."""
+    """The CPU tier's size in blocks (``ValueError`` naming the field when missing, not a number or too small)."""
+    prefix = "kv_transfer_config.kv_connector_extra_config"
     if "num_cpu_blocks" in extra:
         n = extra["num_cpu_blocks"]
         field_name = "num_cpu_blocks"
     elif "cpu_bytes_to_use" in extra:
-        n = int(extra["cpu_bytes_to_use"]) // max(kv_block_bytes, 1)
+        size = extra["cpu_bytes_to_use"]
+        if isinstance(size, bool) or not isinstance(size, (int, float)):
+            raise ValueError(f"{prefix}.cpu_bytes_to_use must be a number of bytes, got {size!r}")
+        n = int(size) // max(kv_block_bytes, 1)
         field_name = "cpu_bytes_to_use"
     else:
         raise ValueError(
@@ -68,6 +72,10 @@ def num_cpu_blocks_from(extra: dict[str, Any], kv_block_bytes: int) -> int:
 
 class OffloadingConnector(KVConnectorBase):
     supported_roles = ("kv_both",)
+
+    @classmethod
+    def check_extra_config(cls, extra: dict[str, Any]) -> None:
+        num_cpu_blocks_from(extra, 1)  # the size in blocks is known once the model is: this checks the form
 
     def __init__(self, config: EngineConfig, role: KVConnectorRole, kv_block_bytes: int) -> None:
         super().__init__(config, role, kv_block_bytes)

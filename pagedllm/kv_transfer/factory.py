@@ -53,6 +53,7 @@ def get_connector_class(transfer: KVTransferConfig) -> type[KVConnectorBase]:
         raise ValueError(
             f"kv_transfer_config.kv_role: {name} takes {' or '.join(cls.supported_roles)}, got {transfer.kv_role!r}"
         )
+    cls.check_extra_config(transfer.kv_connector_extra_config)
     return cls
 
 

@@ -17,11 +17,17 @@ from tests.kv_transfer.connectors import FailingLoadConnector
 
 def test_registered_and_external_connectors_are_found():
     assert "OffloadingConnector" in registered_connectors()
-    assert get_connector_class(KVTransferConfig("OffloadingConnector")) is OffloadingConnector
-    external = KVTransferConfig("FailingLoadConnector", kv_connector_module_path="tests.kv_transfer.connectors")
+    offloading = KVTransferConfig("OffloadingConnector", kv_connector_extra_config={"num_cpu_blocks": 4})
+    assert get_connector_class(offloading) is OffloadingConnector
+    external = KVTransferConfig(
+        "FailingLoadConnector",
+        kv_connector_module_path="tests.kv_transfer.connectors",
+        kv_connector_extra_config={"num_cpu_blocks": 4},
+    )
     assert get_connector_class(external) is FailingLoadConnector
     register_connector("TestFailingLoad", "tests.kv_transfer.connectors", "FailingLoadConnector")
-    assert get_connector_class(KVTransferConfig("TestFailingLoad")) is FailingLoadConnector
+    named = KVTransferConfig("TestFailingLoad", kv_connector_extra_config={"num_cpu_blocks": 4})
+    assert get_connector_class(named) is FailingLoadConnector
     with pytest.raises(ValueError, match="already registered"):
         register_connector("TestFailingLoad", "somewhere.else", "Other")
 
@@ -32,11 +38,23 @@ def test_registered_and_external_connectors_are_found():
         ({"kv_connector": "NoSuchConnector"}, "kv_transfer_config.kv_connector: unknown connector"),
         ({"kv_connector": "X", "kv_connector_module_path": "no.such.module"}, "kv_connector_module_path"),
         ({"kv_connector": "Missing", "kv_connector_module_path": "tests.kv_transfer.connectors"}, "kv_connector"),
-        ({"kv_connector": "OffloadingConnector", "kv_role": "kv_producer"}, "kv_transfer_config.kv_role"),
+        (
+            {"kv_connector": "OffloadingConnector", "kv_role": "kv_producer", "kv_connector_extra_config": {"num_cpu_blocks": 4}},
+            "kv_transfer_config.kv_role",
+        ),
         ({"kv_connector": "OffloadingConnector", "kv_role": "both"}, "kv_transfer_config.kv_role"),
         ({"kv_connector": "OffloadingConnector", "extra": 1}, "unknown keys"),
         ({"kv_role": "kv_both"}, "kv_transfer_config.kv_connector is required"),
         ({"kv_connector": "OffloadingConnector", "kv_connector_extra_config": []}, "kv_connector_extra_config"),
+        ({"kv_connector": "OffloadingConnector"}, "needs num_cpu_blocks or cpu_bytes_to_use"),
+        (
+            {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"cpu_bytes_to_use": "1G"}},
+            "cpu_bytes_to_use must be a number",
+        ),
+        (
+            {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"num_cpu_blocks": 2.5}},
+            "kv_connector_extra_config.num_cpu_blocks",
+        ),
     ],
 )
 def test_bad_kv_transfer_config_names_the_field(tiny_llama, transfer, field):
@@ -100,11 +118,15 @@ def test_unsupported_combinations_are_refused(tiny_llama):
         )
 
 
-def test_offloading_without_a_size_fails_at_start_up(tiny_llama):
+def test_a_cpu_tier_smaller_than_a_block_fails_at_start_up(tiny_llama):
     from pagedllm import LLM
 
-    with pytest.raises(ValueError, match="num_cpu_blocks or cpu_bytes_to_use"):
-        LLM(tiny_llama, device="cpu", kv_transfer_config={"kv_connector": "OffloadingConnector"})
+    with pytest.raises(ValueError, match="cpu_bytes_to_use: the CPU tier must hold at least one block"):
+        LLM(
+            tiny_llama,
+            device="cpu",
+            kv_transfer_config={"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"cpu_bytes_to_use": 10}},
+        )
     with pytest.raises(ValueError, match="num_cpu_blocks"):
         LLM(
             tiny_llama,
