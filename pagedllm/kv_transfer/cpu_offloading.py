@@ -234,6 +234,16 @@ class OffloadingConnector(KVConnectorBase):
         """Copy blocks: (CPU slot, device block) pairs into the device (``to_device``), (device block, CPU slot)
         pairs out of it."""
         d = self._block_dim
+        if self._dev_caches and self._dev_caches[0].device.type == "cpu":  # one gather and scatter per tensor
+            src = torch.tensor([p[0] for p in pairs], dtype=torch.long)
+            dst = torch.tensor([p[1] for p in pairs], dtype=torch.long)
+            for dev, cpu in zip(self._dev_caches, self._cpu_caches):
+                if to_device:
+                    dev.index_copy_(d, dst, cpu.index_select(d, src))
+                else:
+                    cpu.index_copy_(d, dst, dev.index_select(d, src))
+            return
+        # CUDA: a non-blocking copy per block and tensor, on the compute stream (no host sync).
         for dev, cpu in zip(self._dev_caches, self._cpu_caches):
             for a, b in pairs:
                 if to_device:
