@@ -946,6 +946,7 @@ def make_engine_config(
         for what, used in (
             ("speculative_config", spec is not None),
             ("tensor_parallel_size > 1 or pipeline_parallel_size > 1", parallel_config.world_size > 1),
+            ("data_parallel_size > 1", parallel_config.data_parallel_size > 1),
         ):
             if used:
                 raise ValueError(f"kv_transfer_config with {what} is not supported yet")

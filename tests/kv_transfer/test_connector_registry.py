@@ -109,6 +109,8 @@ def test_server_flags_reach_the_engine_config(tiny_llama):
 
 
 def test_unsupported_combinations_are_refused(tiny_llama):
+    with pytest.raises(ValueError, match="data_parallel_size"):
+        make_engine_config(tiny_llama, device="cpu", kv_offloading_size=0.01, data_parallel_size=2)
     with pytest.raises(ValueError, match="speculative_config"):
         make_engine_config(
             tiny_llama,
