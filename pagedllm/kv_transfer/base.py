@@ -13,9 +13,12 @@ One step, with a connector::
         allocate blocks for H + E tokens; update_state_after_alloc(R, block_ids, E)
         R waits (WAITING_FOR_REMOTE_KVS) computing nothing until its load is reported done
     scheduler: meta = build_connector_meta(scheduler_output)
-    worker:    bind_connector_metadata(meta); start_load_kv()
-               forward (wait_for_layer_load(i) / save_kv_layer(i, ...) where a connector overlaps per layer)
-               wait_for_save(); get_finished() -> finished loads / saves; get_block_ids_with_load_errors()
+    worker:    bind_connector_metadata(meta); start_load_kv(); wait_for_layer_load(i) for every layer
+               forward
+               save_kv_layer(i, ...) for every layer; wait_for_save()
+               get_finished() -> finished loads / saves; get_block_ids_with_load_errors()
+               (begin_step / end_step; the forward has no per-layer hook yet, so the per-layer calls come all
+               before or all after it)
     scheduler: a finished load makes R computed up to H + (the tokens before its first failed block) and puts it
                back in the waiting queue; the rest of its prompt is recomputed, so a failed load costs time, never
                correctness.
@@ -82,6 +85,7 @@ class KVConnectorBase:
         self.extra_config: dict[str, Any] = dict(transfer.kv_connector_extra_config)
         self.block_size = config.cache_config.block_size
         self._metadata: KVConnectorMetadata | None = None
+        self.kv_caches: list[torch.Tensor] = []  # worker side: the runner's, per layer (register_kv_caches)
 
     @classmethod
     def check_extra_config(cls, extra: dict[str, Any]) -> None:
@@ -140,6 +144,7 @@ class KVConnectorBase:
     def register_kv_caches(self, kv_caches: list[torch.Tensor], block_dim: int) -> None:
         """The runner's cache tensors, one per layer (layers may share one); ``block_dim`` is the dimension that
         indexes blocks (1 for ``[2, num_blocks, block_size, num_kv_heads, head_dim]``)."""
+        self.kv_caches = kv_caches
 
     def begin_step(self, metadata: KVConnectorMetadata | None, num_layers: int) -> None:
         """What the runner calls before a step's forward: bind the metadata, start the loads. The runner's
@@ -151,8 +156,11 @@ class KVConnectorBase:
             self.wait_for_layer_load(layer)
 
     def end_step(self, finished_req_ids: set[str]) -> KVConnectorOutput:
-        """What the runner calls after a step's forward (or instead of it, for a step with no tokens): the saves,
-        then the report for the scheduler."""
+        """What the runner calls after a step's forward (or instead of it, for a step with no tokens): each layer's
+        ``save_kv_layer`` (all after the forward: the runner has no per-layer hook yet), ``wait_for_save``, then the
+        report for the scheduler."""
+        for layer, kv_layer in enumerate(self.kv_caches):
+            self.save_kv_layer(layer, kv_layer, None)
         self.wait_for_save()
         sending, recving = self.get_finished(finished_req_ids)
         output = KVConnectorOutput(sending, recving, self.get_block_ids_with_load_errors())
@@ -172,7 +180,8 @@ class KVConnectorBase:
         """Block until layer ``layer``'s loads are done (before its attention reads the cache)."""
 
     def save_kv_layer(self, layer: int, kv_layer: torch.Tensor, attn_metadata: Any) -> None:
-        """Layer ``layer``'s cache was written by this step's forward: a connector may start saving it now."""
+        """Layer ``layer``'s cache tensor was written by this step's forward: a connector may start saving it now
+        (``attn_metadata`` is None until the runner calls this from within the forward)."""
 
     def wait_for_save(self) -> None:
         """After the forward: start (or finish) the step's saves; blocks may be reused once this returns."""

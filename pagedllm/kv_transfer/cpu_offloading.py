@@ -214,6 +214,7 @@ class OffloadingConnector(KVConnectorBase):
     # ------------------------------------------------------------------ worker side
 
     def register_kv_caches(self, kv_caches: list[torch.Tensor], block_dim: int) -> None:
+        super().register_kv_caches(kv_caches, block_dim)
         seen: set[int] = set()
         self._block_dim = block_dim
         pin = any(c.device.type == "cuda" for c in kv_caches)

@@ -27,3 +27,22 @@ class DelayedFreeConnector(KVConnectorBase):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         return set(finished_req_ids), set()
+
+
+class RecordingConnector(KVConnectorBase):
+    """Records the worker-side calls of each step, in order."""
+
+    calls: list[tuple] = []  # class-level: the test reads what the engine's instance did
+
+    def start_load_kv(self) -> None:
+        self.calls.append(("start_load_kv",))
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        self.calls.append(("wait_for_layer_load", layer))
+
+    def save_kv_layer(self, layer, kv_layer, attn_metadata) -> None:
+        assert kv_layer is self.kv_caches[layer]
+        self.calls.append(("save_kv_layer", layer))
+
+    def wait_for_save(self) -> None:
+        self.calls.append(("wait_for_save",))

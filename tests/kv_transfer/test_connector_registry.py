@@ -179,3 +179,29 @@ def test_delayed_free_keeps_blocks_until_the_worker_reports_them(tiny_llama):
     kv = engine.engine_core.kv_cache_manager
     assert kv.num_free_blocks == kv.pool.num_blocks
     engine.engine_core.check_integrity()
+
+
+def test_worker_side_calls_come_in_order_every_step(tiny_llama):
+    from pagedllm import LLM, SamplingParams
+    from tests.kv_transfer.connectors import RecordingConnector
+
+    RecordingConnector.calls.clear()
+    llm = LLM(
+        tiny_llama,
+        device="cpu",
+        dtype="float32",
+        block_size=4,
+        kv_transfer_config={"kv_connector": "RecordingConnector", "kv_connector_module_path": "tests.kv_transfer.connectors"},
+    )
+    num_layers = len(llm.llm_engine.engine_core.runner.kv_caches)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": [5, 6, 7, 8, 9]}], params, use_tqdm=False)
+    one_step = (
+        [("start_load_kv",)]
+        + [("wait_for_layer_load", i) for i in range(num_layers)]
+        + [("save_kv_layer", i) for i in range(num_layers)]
+        + [("wait_for_save",)]
+    )
+    calls = RecordingConnector.calls
+    assert len(calls) % len(one_step) == 0 and len(calls) >= 3 * len(one_step)
+    assert calls == one_step * (len(calls) // len(one_step))
