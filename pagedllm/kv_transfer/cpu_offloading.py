@@ -75,6 +75,12 @@ class OffloadingConnector(KVConnectorBase):
 
     @classmethod
     def check_extra_config(cls, extra: dict[str, Any]) -> None:
+        unknown = sorted(set(extra) - {"num_cpu_blocks", "cpu_bytes_to_use"})
+        if unknown:
+            raise ValueError(
+                f"kv_transfer_config.kv_connector_extra_config: OffloadingConnector does not know {unknown} "
+                "(it takes num_cpu_blocks or cpu_bytes_to_use)"
+            )
         num_cpu_blocks_from(extra, 1)  # the size in blocks is known once the model is: this checks the form
 
     def __init__(self, config: EngineConfig, role: KVConnectorRole, kv_block_bytes: int) -> None:

@@ -52,6 +52,10 @@ def test_registered_and_external_connectors_are_found():
             "cpu_bytes_to_use must be a number",
         ),
         (
+            {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"num_cpu_blocks": 4, "block_size": 64}},
+            "does not know",
+        ),
+        (
             {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"num_cpu_blocks": 2.5}},
             "kv_connector_extra_config.num_cpu_blocks",
         ),
