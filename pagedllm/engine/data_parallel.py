@@ -52,6 +52,11 @@ def merge_stats(stats: Sequence[SchedulerStats]) -> SchedulerStats:
             value = sum(values) / len(values)
         elif f.name == "spec_accepted_per_pos":
             value = [sum(v[i] for v in values if i < len(v)) for i in range(max(map(len, values), default=0))]
+        elif values and isinstance(values[0], dict):  # named counters (a KV connector's): summed key by key
+            value = {}
+            for v in values:
+                for key, count in v.items():
+                    value[key] = value.get(key, 0) + count
         else:
             value = sum(values)
         setattr(merged, f.name, value)
