@@ -159,7 +159,7 @@ def test_chat_repl(tiny_llama):
 
 
 def test_new_engine_flags_reach_the_engine_config(tiny_llama):
-    """This session's flags, as `pagedllm serve/generate/bench` parse them, build the configs they name; bad
+    """The engine flags, as `pagedllm serve/generate/bench` parse them, build the configs they name; bad
     values are refused by the parser or by the config with the field's name."""
     from pagedllm.config import make_engine_config
     from pagedllm.engine.arg_utils import add_engine_args, engine_kwargs_from_args
