@@ -33,7 +33,7 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request
 from pagedllm.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.spec_decode.proposer import can_speculate
+from pagedllm.spec_decode.proposer import can_speculate, num_drafts_allowed
 
 logger = logging.getLogger(__name__)
 
@@ -111,11 +111,7 @@ class DraftModelProposer:
             if not can_speculate(request) or budget <= 0:
                 continue
             num_tokens = request.num_tokens
-            k = min(
-                self.k,
-                self.max_model_len - num_tokens - 1,
-                request.max_tokens - request.num_output_tokens - 1,
-            )
+            k = num_drafts_allowed(request, self.k, self.max_model_len)
             if k <= 0:
                 continue
             state = self.states.get(request.request_id)

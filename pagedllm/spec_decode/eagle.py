@@ -24,7 +24,7 @@ from pagedllm.config import EngineConfig, PlainHFConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from pagedllm.spec_decode.proposer import can_speculate
+from pagedllm.spec_decode.proposer import can_speculate, kept_positions, num_drafts_allowed
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -172,11 +172,7 @@ class EagleProposer:
             request = live.get(req_id)
             if request is None:
                 continue
-            start = sched.num_computed_tokens[req_id]
-            count = sched.num_scheduled_tokens[req_id]
-            drafts = sched.scheduled_spec_decode_tokens.get(req_id)
-            if drafts:
-                count -= len(drafts) + 1 - len(result.sampled_token_ids.get(req_id, ()))  # rejected ones
+            start, count = kept_positions(req_id, sched, result)
             count = min(count, request.num_tokens - 1 - start)  # the head needs the token at p + 1
             if count <= 0:
                 continue
@@ -194,11 +190,7 @@ class EagleProposer:
         ends = np.cumsum([c for _, _, c in segs]) - 1
         chosen = []
         for (request, start, count), end in zip(segs, ends):
-            k = min(
-                self.k,
-                self.max_model_len - request.num_tokens - 1,
-                request.max_tokens - request.num_output_tokens - 1,
-            )
+            k = num_drafts_allowed(request, self.k, self.max_model_len)
             if can_speculate(request) and start + count == request.num_tokens - 1 and k > 0:
                 chosen.append((request, int(end), k))
         if not chosen:

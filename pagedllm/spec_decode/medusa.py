@@ -21,7 +21,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from pagedllm.spec_decode.proposer import can_speculate
+from pagedllm.spec_decode.proposer import can_speculate, kept_positions, num_drafts_allowed
 
 
 class MedusaProposer:
@@ -87,16 +87,8 @@ class MedusaProposer:
             request = live.get(req_id)
             if request is None or not can_speculate(request):
                 continue
-            start = sched.num_computed_tokens[req_id]
-            count = sched.num_scheduled_tokens[req_id]
-            drafts = sched.scheduled_spec_decode_tokens.get(req_id)
-            if drafts:
-                count -= len(drafts) + 1 - len(result.sampled_token_ids.get(req_id, ()))  # rejected ones
-            k = min(
-                self.k,
-                self.max_model_len - request.num_tokens - 1,
-                request.max_tokens - request.num_output_tokens - 1,
-            )
+            start, count = kept_positions(req_id, sched, result)
+            k = num_drafts_allowed(request, self.k, self.max_model_len)
             if count <= 0 or start + count != request.num_tokens - 1 or k <= 0:
                 continue
             rows.append(int(step.query_start[i]) + count - 1)

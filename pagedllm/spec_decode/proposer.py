@@ -37,6 +37,22 @@ def can_speculate(request: Request) -> bool:
     )
 
 
+def num_drafts_allowed(request: Request, k: int, max_model_len: int) -> int:
+    """How many of ``k`` drafts ``request`` may get: the verification step emits one token more than it accepts,
+    and neither max_model_len nor max_tokens may be passed (<= 0: none)."""
+    return min(k, max_model_len - request.num_tokens - 1, request.max_tokens - request.num_output_tokens - 1)
+
+
+def kept_positions(req_id: str, sched: SchedulerOutput, result: ModelRunnerOutput) -> tuple[int, int]:
+    """``(first position, count)`` of ``req_id``'s positions the step just run computed and kept: its scheduled
+    tokens less the drafts that were rejected."""
+    count = sched.num_scheduled_tokens[req_id]
+    drafts = sched.scheduled_spec_decode_tokens.get(req_id)
+    if drafts:
+        count -= len(drafts) + 1 - len(result.sampled_token_ids.get(req_id, ()))
+    return sched.num_computed_tokens[req_id], count
+
+
 class Proposer(Protocol):
     def kv_block_bytes(self) -> int:
         """Bytes the proposer's own KV cache needs per block of the target's (0: it has none)."""
