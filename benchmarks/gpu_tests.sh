@@ -16,7 +16,7 @@ groups=(
   "attention_kernel:$k/test_triton_paged_attention.py"
   "kernels:$k/test_triton_fused_moe.py $k/test_triton_gemv.py $k/test_pdl.py $k/test_mla_decode.py $k/test_triton_gumbel_sample.py $k/test_token_bitmask.py"
   "small_kernels:$k/test_triton_qk_norm_rope.py $k/test_triton_small_kernels.py tests/attention tests/quantization"
-  "engine:tests/engine tests/structured_output tests/sample tests/benchmarks tests/core tests/entrypoints tests/tools tests/test_demo_model.py"
+  "engine:tests/engine tests/pooling tests/kv_transfer tests/structured_output tests/sample tests/benchmarks tests/core tests/entrypoints tests/tools tests/test_demo_model.py"
   "models:tests/lora tests/models tests/spec_decode tests/distributed"
 )
 # Tests that size themselves from the GPU's free memory or allocate several GiB: run alone after the groups, since

@@ -1,0 +1,240 @@
+"""Embedding throughput, pagedllm against sentence-transformers on the same GPU and the same texts.
+
+    python benchmarks/embed_bench.py --shape bge-base|qwen3-embedding-0.6b [--num-texts 20000] [--dtype bfloat16]
+
+Writes a sentence-transformers checkpoint of the shape with random weights (bge-base-en-v1.5: BERT-base, CLS pooling,
+normalized; Qwen3-Embedding-0.6B: Qwen3 body, last-token pooling, normalized) and a word-level tokenizer (one token
+per word, so a text of n words is n tokens plus the specials). The texts have 32-256 words, uniformly. Both engines
+embed all of them once after a warm-up; sentence-transformers runs at its default batch size (32) and at 128, and the
+better of the two is its number. Prints one JSON line per engine (sequences/s, tokens/s) and the ratio, and checks the
+two engines' embeddings agree (cosine similarity) on a sample.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+SHAPES = {
+    "bge-base": dict(
+        arch="bert",
+        config=dict(
+            architectures=["BertModel"],
+            model_type="bert",
+            hidden_size=768,
+            num_hidden_layers=12,
+            num_attention_heads=12,
+            intermediate_size=3072,
+            max_position_embeddings=512,
+            type_vocab_size=2,
+            vocab_size=30522,
+            layer_norm_eps=1e-12,
+            hidden_act="gelu",
+            pad_token_id=0,
+        ),
+        pooling="cls",
+    ),
+    "qwen3-embedding-0.6b": dict(
+        arch="qwen3",
+        config=dict(
+            architectures=["Qwen3ForCausalLM"],
+            model_type="qwen3",
+            hidden_size=1024,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            intermediate_size=3072,
+            max_position_embeddings=32768,
+            vocab_size=151669,
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            tie_word_embeddings=True,
+            hidden_act="silu",
+            bos_token_id=151643,
+            eos_token_id=151643,
+            pad_token_id=151643,
+        ),
+        pooling="lasttoken",
+    ),
+}
+
+
+def _tokenizer(arch: str, vocab_size: int):
+    """A word-level fast tokenizer over words w0..wN: BERT's [CLS] text [SEP], or Qwen3-Embedding's text + EOS with
+    left padding."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    if arch == "bert":
+        specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"]
+    else:
+        specials = ["<|endoftext|>", "<unk>"]
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    for i in range(vocab_size - len(specials)):
+        vocab[f"w{i}"] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=specials[1]))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if arch == "bert":
+        tok.post_processor = processors.TemplateProcessing(
+            single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
+        )
+        return PreTrainedTokenizerFast(
+            tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]",
+            model_max_length=512,
+        )
+    eos = "<|endoftext|>"
+    tok.post_processor = processors.TemplateProcessing(single=f"$A {eos}", special_tokens=[(eos, 0)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", pad_token=eos, eos_token=eos, padding_side="left",
+        model_max_length=32768,
+    )
+
+
+def build_checkpoint(shape: str, root: Path) -> Path:
+    """A sentence-transformers directory: the HF model at the root, 1_Pooling, 2_Normalize, modules.json."""
+    from transformers import AutoConfig, AutoModel
+
+    spec = SHAPES[shape]
+    path = root / shape
+    if (path / "modules.json").exists():
+        return path
+    cfg = dict(spec["config"])
+    tokenizer = _tokenizer(spec["arch"], cfg["vocab_size"])
+    if spec["arch"] == "qwen3":  # the specials sit at ids 0/1 in this tokenizer
+        cfg.update(bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    model_type = cfg.pop("model_type")
+    config = AutoConfig.for_model(model_type, **cfg)
+    torch.manual_seed(0)
+    model = AutoModel.from_config(config, dtype=torch.bfloat16)
+    with torch.no_grad():  # the default init's 0.02 std keeps activations tame; norms stay at 1
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.02)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    (path / "1_Pooling").mkdir(exist_ok=True)
+    (path / "2_Normalize").mkdir(exist_ok=True)
+    pooling = {
+        "word_embedding_dimension": cfg["hidden_size"],
+        "pooling_mode_cls_token": spec["pooling"] == "cls",
+        "pooling_mode_mean_tokens": False,
+        "pooling_mode_max_tokens": False,
+        "pooling_mode_mean_sqrt_len_tokens": False,
+        "pooling_mode_weightedmean_tokens": False,
+        "pooling_mode_lasttoken": spec["pooling"] == "lasttoken",
+        "include_prompt": True,
+    }
+    (path / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    max_len = 512 if spec["arch"] == "bert" else 32768
+    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_len, "do_lower_case": False}))
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ]
+    (path / "modules.json").write_text(json.dumps(modules))
+    return path
+
+
+def make_texts(n: int, vocab_words: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [
+        " ".join(f"w{rng.randrange(vocab_words)}" for _ in range(rng.randint(32, 256))) for _ in range(n)
+    ]
+
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke run of the script itself
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed(fn) -> tuple[float, object]:
+    _sync()
+    t0 = time.perf_counter()
+    result = fn()
+    _sync()
+    return time.perf_counter() - t0, result
+
+
+def _release() -> None:
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_pagedllm(path: Path, texts: list[str], dtype: str) -> tuple[dict, torch.Tensor]:
+    from pagedllm import LLM
+
+    with LLM(str(path), runner="pooling", dtype=dtype, max_model_len=512, seed=0) as llm:
+        llm.embed(texts[:256], use_tqdm=False)  # warm-up
+        seconds, outs = _timed(lambda: llm.embed(texts, use_tqdm=False))
+    emb = torch.tensor([o.outputs.embedding for o in outs[:64]])
+    _release()
+    return {"seconds": seconds}, emb
+
+
+def run_st(path: Path, texts: list[str], dtype: str, batch_size: int) -> tuple[dict, torch.Tensor]:
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(path), device=DEVICE, model_kwargs={"dtype": getattr(torch, dtype)})
+    model.encode(texts[:256], batch_size=batch_size)  # warm-up
+    seconds, emb = _timed(lambda: model.encode(texts, batch_size=batch_size, convert_to_tensor=True))
+    emb = emb[:64].float().cpu()
+    model.to("cpu")
+    _release()
+    return {"seconds": seconds, "batch_size": batch_size}, emb
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), required=True)
+    ap.add_argument("--num-texts", type=int, default=20000)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--model-dir", default="/tmp/embed-bench")
+    ap.add_argument("--st-batch-sizes", default="32,128")
+    args = ap.parse_args()
+
+    path = build_checkpoint(args.shape, Path(args.model_dir))
+    vocab_words = SHAPES[args.shape]["config"]["vocab_size"] - 4
+    texts = make_texts(args.num_texts, vocab_words)
+    from transformers import AutoTokenizer
+
+    num_tokens = sum(len(ids) for ids in AutoTokenizer.from_pretrained(str(path))(texts)["input_ids"])
+    ours, ours_emb = run_pagedllm(path, texts, args.dtype)
+    rows = {"pagedllm": ours}
+    best_st, st_emb = None, None
+    for bs in (int(b) for b in args.st_batch_sizes.split(",")):
+        row, emb = run_st(path, texts, args.dtype, bs)
+        rows[f"sentence-transformers bs={bs}"] = row
+        if best_st is None or row["seconds"] < best_st["seconds"]:
+            best_st, st_emb = row, emb
+    for name, row in rows.items():
+        row.update(
+            engine=name,
+            shape=args.shape,
+            num_texts=len(texts),
+            num_tokens=num_tokens,
+            seqs_per_s=round(len(texts) / row["seconds"], 1),
+            tokens_per_s=round(num_tokens / row["seconds"]),
+        )
+        print(json.dumps(row))
+    cos = torch.nn.functional.cosine_similarity(ours_emb, st_emb, dim=-1)
+    print(json.dumps({
+        "shape": args.shape,
+        "speedup_vs_best_st": round(best_st["seconds"] / ours["seconds"], 2),
+        "cosine_min_on_64": round(cos.min().item(), 5),
+    }))
+
+
+if __name__ == "__main__":
+    main()
