@@ -1,8 +1,9 @@
 """Bidirectional attention for encoder (pooling) models: every token of a request sees every token of it.
 
 No KV cache: a pooling request runs its whole prompt in one step, so keys and values live only for that step.
-The step's ragged requests are padded into one ``[num_reqs, max_len]`` batch for PyTorch's scaled dot-product
-attention, with a key mask for the padding, then flattened back.
+On CUDA the step's ragged requests go to PyTorch's scaled dot-product attention as one jagged (nested) tensor,
+which runs a variable-length fused kernel over the real tokens only. On the CPU they are padded into one
+``[num_reqs, max_len]`` batch with a key mask for the padding, then flattened back.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ class PoolingBatch:
 
     cu: np.ndarray  # [num_reqs + 1] int64, host: cumulative prompt lengths
     max_len: int  # longest prompt this step
+    min_len: int  # shortest prompt this step
+    cu_device: torch.Tensor  # [num_reqs + 1] int64, device: ``cu``
     token_index: torch.Tensor  # [num_tokens] int64, device: flat row of each token in [num_reqs * max_len]
     key_mask: torch.Tensor  # [num_reqs, 1, 1, max_len] bool, device: True where a key is a real token
     token_type_ids: torch.Tensor | None = None  # [num_tokens] int64 (BERT's segment ids; None: all 0)
@@ -41,7 +44,8 @@ class PoolingBatch:
         key_mask = torch.from_numpy(np.arange(max_len)[None, :] < lens[:, None]).to(
             device
         )  # [num_reqs, max_len]
-        return cls(cu, max_len, token_index, key_mask[:, None, None, :])
+        cu_device = torch.from_numpy(cu).to(device)
+        return cls(cu, max_len, int(lens.min()), cu_device, token_index, key_mask[:, None, None, :])
 
 
 def encoder_attention(
@@ -53,6 +57,8 @@ def encoder_attention(
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     num_tokens, num_heads, head_dim = query.shape
     num_reqs = len(batch.cu) - 1
+    if query.is_cuda:
+        return jagged_attention(query, key, value, batch, scale)
 
     def padded(x: torch.Tensor) -> torch.Tensor:  # [num_tokens, H, D] -> [num_reqs, H, max_len, D]
         out = x.new_zeros(num_reqs * batch.max_len, num_heads, head_dim)
@@ -64,3 +70,22 @@ def encoder_attention(
     )  # [num_reqs, H, max_len, D]
     out = out.transpose(1, 2).reshape(num_reqs * batch.max_len, num_heads, head_dim)
     return out[batch.token_index]
+
+
+def jagged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,
+    value: torch.Tensor,
+    batch: PoolingBatch,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """``encoder_attention`` without padding: each request's tokens attend to its own, through nested tensors."""
+
+    def jagged(x: torch.Tensor) -> torch.Tensor:  # [num_tokens, H, D] -> [num_reqs, H, (len), D]
+        nt = torch.nested.nested_tensor_from_jagged(
+            x.contiguous(), offsets=batch.cu_device, max_seqlen=batch.max_len, min_seqlen=batch.min_len
+        )
+        return nt.transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(jagged(query), jagged(key), jagged(value), scale=scale)
+    return out.transpose(1, 2).values()

@@ -500,9 +500,11 @@ class LLM:
         self._check_running()
         engine = self.llm_engine
         now = time.monotonic()
+        processor = engine.pooling_processor
+        prompts = processor.tokenize_batch(items) if processor is not None else [p for p, _, _ in items]
         processed = [
             engine.process_pooling_request(str(next(self._counter)), p, sp, arrival_time=now, text_pair=pair)
-            for p, sp, pair in items
+            for p, (_, sp, pair) in zip(prompts, items)
         ]
         added = []
         try:

@@ -201,3 +201,24 @@ def test_pooler_config_overrides_the_checkpoint(embedder, tiny_llama) -> None:
             LLM(embedder, pooler_config=bad)
     with pytest.raises(ValueError, match="pooler_config applies to pooling models"):
         LLM(tiny_llama, pooler_config={"pooling_type": "MEAN"})
+
+
+def test_batched_tokenization_equals_one_text_at_a_time(llm) -> None:
+    """``LLM.embed`` tokenizes its texts in one batched call per truncation length: the same token ids as the
+    one-prompt path, with token-id prompts, dict prompts and other truncations mixed in."""
+    processor = llm.llm_engine.pooling_processor
+    short = PoolingParams(truncate_prompt_tokens=5).with_task("embed")
+    plain = PoolingParams().with_task("embed")
+    items = [
+        ("hello world", plain, None),
+        ({"prompt": "the cat sat"}, short, None),
+        ([5, 6, 7], plain, None),
+        ("a much longer text that truncation cuts short", short, None),
+        ("hello world", plain, "a pair"),
+    ]
+    batched = processor.tokenize_batch(items)
+    for prompt, (original, params, pair) in zip(batched, items):
+        want = processor.to_prompt(original, params, pair)
+        got = processor.to_prompt(prompt, params, pair)
+        assert (got.token_ids, got.token_type_ids) == (want.token_ids, want.token_type_ids)
+    assert batched[2] == [5, 6, 7] and batched[4] == "hello world"  # left for to_prompt
