@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # KV cache beyond GPU memory: a prefix-heavy workload 4x the GPU KV cache, with and without the CPU tier
-#   [PREFIXES=64] [REPEATS=4] bash benchmarks/gpu.sh kv-offload
-# Llama-3.1-8B shape (dummy weights). The server's GPU KV cache is pinned to 4096 blocks of 16 tokens (65,536
-# tokens, 8 GiB); the workload is vLLM's prefix_repetition dataset: PREFIXES prefixes of 4,000 tokens (256,000
-# tokens of prefixes: 4x the GPU cache), each asked REPEATS times with its own 100-token suffix and 64 output
+#   [PREFIXES=48] [REPEATS=4] bash benchmarks/gpu.sh kv-offload
+# Llama-3.1-8B shape (dummy weights). The server's GPU KV cache is pinned to 3072 blocks of 16 tokens (49,152
+# tokens, 6 GiB); the workload is vLLM's prefix_repetition dataset: PREFIXES prefixes of 4,000 tokens (192,000
+# tokens of prefixes: 3.9x the GPU cache), each asked REPEATS times with its own 100-token suffix and 64 output
 # tokens, shuffled, request rate inf. Without the CPU tier a repeat finds its prefix evicted and recomputes it; with
 # --kv-offloading-size 40 the prefix loads back from pinned host memory. Prints req/s, output tok/s and TTFT of each.
 set -uo pipefail
@@ -12,12 +12,12 @@ source benchmarks/lib.sh "$@"
 use_wheels "fastapi, uvicorn"
 $py -m pagedllm.benchmarks.shapes "$out/models" >/dev/null
 L="$out/models/llama-3.1-8b"
-PREFIXES="${PREFIXES:-64}"; REPEATS="${REPEATS:-4}"
+PREFIXES="${PREFIXES:-48}"; REPEATS="${REPEATS:-4}"
 port=8766
 for variant in gpu-only cpu-tier; do
   extra=""; [ "$variant" = cpu-tier ] && extra="--kv-offloading-size 40"
   echo "=== $variant"
-  $py -m pagedllm.entrypoints.cli serve "$L" --load-format dummy --max-model-len 8192 --num-gpu-blocks-override 4096 \
+  $py -m pagedllm.entrypoints.cli serve "$L" --load-format dummy --max-model-len 8192 --num-gpu-blocks-override 3072 \
     --port $port --disable-log-requests $extra > "$out/offload_${variant}_server.log" 2>&1 &
   spid=$!; t0=$(date +%s); up=0
   for _ in $(seq 600); do

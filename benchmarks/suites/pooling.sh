@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Pooling models and beam search against their usual baselines on the same GPU
 #   bash benchmarks/gpu.sh pooling [embed] [beam]
-# embed: 20,000 texts of 32-256 tokens embedded by pagedllm and by sentence-transformers (batch 32 and 128, the
+# embed: 20,000 texts of 32-256 tokens embedded by pagedllm and by sentence-transformers (batch 128 and 256, the
 #        better counts), on a bge-base-shaped and a Qwen3-Embedding-0.6B-shaped checkpoint with random weights,
 #        bfloat16: benchmarks/embed_bench.py.
 # beam:  beam search, width 4, Qwen3-0.6B shape, 32 prompts x (128 in, 128 out), against transformers'
