@@ -172,12 +172,22 @@ def _release() -> None:
         torch.cuda.empty_cache()
 
 
-def run_pagedllm(path: Path, texts: list[str], dtype: str) -> tuple[dict, torch.Tensor]:
+def run_pagedllm(path: Path, texts: list[str], dtype: str, profile: bool) -> tuple[dict, torch.Tensor]:
     from pagedllm import LLM
 
     with LLM(str(path), runner="pooling", dtype=dtype, max_model_len=512, seed=0) as llm:
         llm.embed(texts[:256], use_tqdm=False)  # warm-up
         seconds, outs = _timed(lambda: llm.embed(texts, use_tqdm=False))
+        if profile:  # where the host time goes: the top functions of a second, profiled pass
+            import cProfile
+            import pstats
+
+            prof = cProfile.Profile()
+            prof.enable()
+            llm.embed(texts, use_tqdm=False)
+            _sync()
+            prof.disable()
+            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     emb = torch.tensor([o.outputs.embedding for o in outs[:64]])
     _release()
     return {"seconds": seconds}, emb
@@ -202,6 +212,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--model-dir", default="/tmp/embed-bench")
     ap.add_argument("--st-batch-sizes", default="128,256")
+    ap.add_argument("--profile", action="store_true", help="also print a cProfile of pagedllm's pass")
     args = ap.parse_args()
 
     path = build_checkpoint(args.shape, Path(args.model_dir))
@@ -209,8 +220,11 @@ def main() -> None:
     texts = make_texts(args.num_texts, vocab_words)
     from transformers import AutoTokenizer
 
-    num_tokens = sum(len(ids) for ids in AutoTokenizer.from_pretrained(str(path))(texts)["input_ids"])
-    ours, ours_emb = run_pagedllm(path, texts, args.dtype)
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    t0 = time.perf_counter()
+    num_tokens = sum(len(ids) for ids in tokenizer(texts)["input_ids"])
+    print(json.dumps({"tokenize_all_seconds": round(time.perf_counter() - t0, 3)}))
+    ours, ours_emb = run_pagedllm(path, texts, args.dtype, args.profile)
     rows = {"pagedllm": ours}
     best_st, st_emb = None, None
     for bs in (int(b) for b in args.st_batch_sizes.split(",")):

@@ -58,12 +58,33 @@ class RequestOutput:
 # ---------------------------------------------------------------------------------------------- pooling models
 
 
-@dataclass
 class PoolingOutput:
     """A pooling request's raw result: ``data`` is a float32 tensor on the host (``[hidden_size]`` for an
-    embedding model, ``[num_labels]`` for a classifier)."""
+    embedding model, ``[num_labels]`` for a classifier). Built from a tensor or from the engine's list of floats;
+    from a list, the tensor is made when ``data`` is first read (``values`` gives the list without it)."""
 
-    data: Any  # torch.Tensor
+    __slots__ = ("_data", "_values")
+
+    def __init__(self, data: Any) -> None:
+        self._data, self._values = (None, list(data)) if isinstance(data, list) else (data, None)
+
+    @property
+    def data(self) -> Any:  # torch.Tensor
+        if self._data is None:
+            import torch
+
+            self._data = torch.tensor(self._values, dtype=torch.float32)
+        return self._data
+
+    @property
+    def values(self) -> list[float]:
+        return self._values if self._values is not None else self._data.tolist()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PoolingOutput) and bool((self.data == other.data).all())
+
+    def __repr__(self) -> str:
+        return f"PoolingOutput(data={self.data!r})"
 
 
 @dataclass
@@ -102,7 +123,7 @@ class ScoringOutput:
 class EmbeddingRequestOutput(PoolingRequestOutput):
     @classmethod
     def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
-        return cls(out.request_id, EmbeddingOutput(out.outputs.data.tolist()), out.prompt_token_ids,
+        return cls(out.request_id, EmbeddingOutput(out.outputs.values), out.prompt_token_ids,
                    out.finished, out.prompt)
 
 
@@ -110,7 +131,7 @@ class EmbeddingRequestOutput(PoolingRequestOutput):
 class ClassificationRequestOutput(PoolingRequestOutput):
     @classmethod
     def from_base(cls, out: PoolingRequestOutput) -> ClassificationRequestOutput:
-        return cls(out.request_id, ClassificationOutput(out.outputs.data.tolist()), out.prompt_token_ids,
+        return cls(out.request_id, ClassificationOutput(out.outputs.values), out.prompt_token_ids,
                    out.finished, out.prompt)
 
 

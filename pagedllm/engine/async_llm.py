@@ -329,7 +329,6 @@ class AsyncLLM:
 
     async def encode_processed(self, prompt_info: PoolingPrompt, core_req: EngineCoreRequest) -> PoolingRequestOutput:
         """Queue a request ``process_pooling`` made and wait for its output (see ``encode``)."""
-        import torch
 
         self._ensure_started()
         self._check_alive()
@@ -351,7 +350,7 @@ class AsyncLLM:
             raise
         return PoolingRequestOutput(
             request_id,
-            PoolingOutput(torch.tensor(data, dtype=torch.float32)),
+            PoolingOutput(data),
             prompt_info.token_ids,
             True,
             prompt_info.prompt,

@@ -148,8 +148,6 @@ class LLMEngine:
         )
 
     def _pooling_step(self) -> list[PoolingRequestOutput]:
-        import torch
-
         outputs = self.engine_core.step()
         if outputs.stats is not None:
             self.last_stats = outputs.stats
@@ -158,9 +156,10 @@ class LLMEngine:
             info = self._pooling_prompts.pop(out.request_id, None)
             if info is None or out.pooling_output is None:
                 continue
-            data = torch.tensor(out.pooling_output, dtype=torch.float32)
             results.append(
-                PoolingRequestOutput(out.request_id, PoolingOutput(data), info.token_ids, True, info.prompt)
+                PoolingRequestOutput(
+                    out.request_id, PoolingOutput(out.pooling_output), info.token_ids, True, info.prompt
+                )
             )
         return results
 

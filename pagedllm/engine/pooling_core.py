@@ -99,7 +99,7 @@ class PoolingEngineCore:
                     new_token_ids=[],
                     finish_reason="stop",
                     queue_time=max(0.0, now - r.arrival_time),
-                    pooling_output=results[r.request_id].tolist(),
+                    pooling_output=results[r.request_id],
                 )
                 for r in batch
             ]

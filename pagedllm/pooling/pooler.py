@@ -47,14 +47,33 @@ def check_params(params: PoolingParams, config: PoolerConfig) -> None:
             raise ValueError(f"dimensions must be one of {allowed} for this model, got {params.dimensions}")
 
 
+def finish_pooled_batch(
+    pooled: torch.Tensor, params: list[PoolingParams], config: PoolerConfig
+) -> list[list[float]]:
+    """A step's pooled vectors (``[num_reqs, H]``, on the device) -> each request's result as a list of floats:
+    ``finish_pooled`` row by row, computed once per group of requests that ask the same (task, dimensions,
+    normalize, activation), with one copy to the host per group."""
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(params):
+        groups.setdefault((p.task, p.dimensions, p.normalize, p.activation), []).append(i)
+    out: list[list[float]] = [[] for _ in params]
+    for indices in groups.values():
+        rows = pooled if len(indices) == len(params) else pooled[indices]
+        values = finish_pooled(rows, params[indices[0]], config).tolist()
+        for i, v in zip(indices, values):
+            out[i] = v
+    return out
+
+
 def finish_pooled(pooled: torch.Tensor, params: PoolingParams, config: PoolerConfig) -> torch.Tensor:
-    """One request's pooled vector ([H], or [num_labels] logits for a classifier) -> what its task returns,
-    float32 on the host: an embedding (cut to ``dimensions``, normalized), class probabilities, or as is."""
+    """A request's pooled vector ([H], or [num_labels] logits for a classifier; or ``[n, ...]`` rows of requests
+    with the same params) -> what its task returns, float32 on the host: an embedding (cut to ``dimensions``,
+    normalized), class probabilities, or as is."""
     out = pooled.float()
     task = params.task
     if task == "embed":
         if params.dimensions is not None:
-            out = out[: params.dimensions]
+            out = out[..., : params.dimensions]
         normalize = config.normalize if params.normalize is None else params.normalize
         if normalize:
             out = torch.nn.functional.normalize(out, dim=-1)

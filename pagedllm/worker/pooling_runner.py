@@ -19,7 +19,7 @@ from pagedllm.attention.base import AttentionMetadata, get_attention_backend
 from pagedllm.attention.encoder import PoolingBatch
 from pagedllm.config import EngineConfig
 from pagedllm.pooling.params import PoolingParams
-from pagedllm.pooling.pooler import finish_pooled, pool_hidden
+from pagedllm.pooling.pooler import finish_pooled_batch, pool_hidden
 
 logger = logging.getLogger(__name__)
 
@@ -99,9 +99,9 @@ class PoolingRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, inputs: list[PoolingInput]) -> dict[str, torch.Tensor]:
-        """Run one step; each request's output (float32, on the host): an embedding, class probabilities or
-        logits, or the raw pooled hidden state, as its ``params.task`` asks (``pooling/pooler.py``)."""
+    def execute(self, inputs: list[PoolingInput]) -> dict[str, list[float]]:
+        """Run one step; each request's output (float32 values, on the host): an embedding, class probabilities
+        or logits, or the raw pooled hidden state, as its ``params.task`` asks (``pooling/pooler.py``)."""
         lens = np.array([len(x.token_ids) for x in inputs], dtype=np.int64)  # [num_reqs]
         cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)  # [num_reqs + 1]
         assert int(cu[-1]) <= self.max_num_tokens, (int(cu[-1]), self.max_num_tokens)
@@ -119,10 +119,8 @@ class PoolingRunner:
             batch.attn_metadata = self._decoder_metadata(lens, cu)
         hidden = self.model(input_ids, positions, batch)  # [num_tokens, hidden_size]
         pooled = self.model.head(pool_hidden(hidden, cu, self.pooler_config.pooling_type))  # [num_reqs, D]
-        pooled = pooled.float().cpu()  # one copy to the host for the whole step
-        return {
-            x.req_id: finish_pooled(pooled[i], x.params, self.pooler_config) for i, x in enumerate(inputs)
-        }
+        results = finish_pooled_batch(pooled, [x.params for x in inputs], self.pooler_config)
+        return {x.req_id: r for x, r in zip(inputs, results)}
 
     def shutdown(self) -> None:
         self.kv_caches = None
