@@ -1,19 +1,23 @@
 """Bidirectional attention for encoder (pooling) models: every token of a request sees every token of it.
 
 No KV cache: a pooling request runs its whole prompt in one step, so keys and values live only for that step.
-On CUDA the step's ragged requests go to PyTorch's scaled dot-product attention as one jagged (nested) tensor,
-which runs a variable-length fused kernel over the real tokens only. On the CPU they are padded into one
+On CUDA the step's ragged requests go to PyTorch's variable-length fused kernels (FlashAttention for 16-bit types,
+the memory-efficient kernel for float32), over the real tokens only. On the CPU they are padded into one
 ``[num_reqs, max_len]`` batch with a key mask for the padding, then flattened back.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+_VARLEN_OK: dict[int | None, bool] = {}  # per CUDA device: False once the fused kernels failed there
 
 
 @dataclass
@@ -24,7 +28,7 @@ class PoolingBatch:
     cu: np.ndarray  # [num_reqs + 1] int64, host: cumulative prompt lengths
     max_len: int  # longest prompt this step
     min_len: int  # shortest prompt this step
-    cu_device: torch.Tensor  # [num_reqs + 1] int64, device: ``cu``
+    cu_device: torch.Tensor  # [num_reqs + 1] int32, device: ``cu``
     token_index: torch.Tensor  # [num_tokens] int64, device: flat row of each token in [num_reqs * max_len]
     key_mask: torch.Tensor  # [num_reqs, 1, 1, max_len] bool, device: True where a key is a real token
     token_type_ids: torch.Tensor | None = None  # [num_tokens] int64 (BERT's segment ids; None: all 0)
@@ -44,7 +48,7 @@ class PoolingBatch:
         key_mask = torch.from_numpy(np.arange(max_len)[None, :] < lens[:, None]).to(
             device
         )  # [num_reqs, max_len]
-        cu_device = torch.from_numpy(cu).to(device)
+        cu_device = torch.from_numpy(cu.astype(np.int32)).to(device)
         return cls(cu, max_len, int(lens.min()), cu_device, token_index, key_mask[:, None, None, :])
 
 
@@ -57,8 +61,12 @@ def encoder_attention(
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     num_tokens, num_heads, head_dim = query.shape
     num_reqs = len(batch.cu) - 1
-    if query.is_cuda:
-        return jagged_attention(query, key, value, batch, scale)
+    if query.is_cuda and _VARLEN_OK.get(query.device.index, True):
+        try:
+            return varlen_attention(query, key, value, batch, scale)
+        except RuntimeError as e:  # a build or GPU without the fused kernels: pad from now on
+            logger.warning("variable-length attention unavailable (%s); padding the batch instead", e)
+            _VARLEN_OK[query.device.index] = False
 
     def padded(x: torch.Tensor) -> torch.Tensor:  # [num_tokens, H, D] -> [num_reqs, H, max_len, D]
         out = x.new_zeros(num_reqs * batch.max_len, num_heads, head_dim)
@@ -72,20 +80,22 @@ def encoder_attention(
     return out[batch.token_index]
 
 
-def jagged_attention(
-    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+def varlen_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim], CUDA
     key: torch.Tensor,
     value: torch.Tensor,
     batch: PoolingBatch,
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """``encoder_attention`` without padding: each request's tokens attend to its own, through nested tensors."""
-
-    def jagged(x: torch.Tensor) -> torch.Tensor:  # [num_tokens, H, D] -> [num_reqs, H, (len), D]
-        nt = torch.nested.nested_tensor_from_jagged(
-            x.contiguous(), offsets=batch.cu_device, max_seqlen=batch.max_len, min_seqlen=batch.min_len
-        )
-        return nt.transpose(1, 2)
-
-    out = F.scaled_dot_product_attention(jagged(query), jagged(key), jagged(value), scale=scale)
-    return out.transpose(1, 2).values()
+    """``encoder_attention`` without padding: each request's tokens attend to its own, through PyTorch's
+    variable-length kernels (the ones its nested-tensor attention calls), given the step's cumulative lengths."""
+    cu, n = batch.cu_device, batch.max_len
+    if query.dtype in (torch.float16, torch.bfloat16):
+        out = torch.ops.aten._flash_attention_forward(
+            query, key, value, cu, cu, n, n, 0.0, False, False, scale=scale
+        )[0]
+        return out
+    out = torch.ops.aten._efficient_attention_forward(
+        query[None], key[None], value[None], None, cu, cu, n, n, 0.0, 0, scale=scale
+    )[0]
+    return out[0]

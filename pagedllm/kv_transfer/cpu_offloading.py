@@ -12,7 +12,7 @@ device block's bytes over all layers); ``--kv-offloading-size`` / ``swap_space``
 
 Ordering (why no slot is read while it is overwritten): within a step the worker does the loads before the forward
 and the saves after it, and steps run in order (on CUDA every copy goes on the compute stream, asynchronous to the
-host, ordered with the forwards). A slot evicted by this step's saves may be read by this step's loads only, which
+host, ordered with the forwards, see ``_copy``). A slot evicted by this step's saves may be read by this step's loads only, which
 come first; a device block is reused by a later step only, after this step's saves.
 """
 
@@ -34,6 +34,10 @@ if TYPE_CHECKING:
     from pagedllm.core.sched_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+STAGING_SLOTS = 64  # at most this many blocks per staged copy ...
+STAGING_BYTES = 256 * 2**20  # ... and at most this many bytes of device memory for the buffer
+POOL_CHUNK_BYTES = 2**30  # the CPU tier is allocated in chunks of at most this many bytes
 
 
 @dataclass
@@ -99,8 +103,12 @@ class OffloadingConnector(KVConnectorBase):
         self.num_stored_blocks = 0
         self.num_evicted_blocks = 0
         # Worker side.
-        self._cpu_caches: list[torch.Tensor] = []  # one per distinct device cache tensor
-        self._dev_caches: list[torch.Tensor] = []
+        self._dev_caches: list[torch.Tensor] = []  # the distinct device cache tensors
+        self._layout: list[tuple[int, int]] = []  # per device cache: (byte offset, bytes) of its block in a slot
+        self._slot_bytes = 0
+        self._slots_per_chunk = 1
+        self._pool: list[torch.Tensor] = []  # the CPU tier: [slots, slot_bytes] uint8 chunks (pinned on CUDA)
+        self._staging: torch.Tensor | None = None  # [staging slots, slot_bytes] uint8 on the device
         self._block_dim = 1
         self._finished_recving: set[str] = set()
         self._load_errors: set[int] = set()
@@ -220,43 +228,89 @@ class OffloadingConnector(KVConnectorBase):
     # ------------------------------------------------------------------ worker side
 
     def register_kv_caches(self, kv_caches: list[torch.Tensor], block_dim: int) -> None:
+        """Lay out the CPU tier slot-major: a slot holds one device block of every cache tensor, as bytes side by
+        side, so a block moves in one contiguous copy each way (see ``_copy``)."""
         super().register_kv_caches(kv_caches, block_dim)
-        seen: set[int] = set()
         self._block_dim = block_dim
-        pin = any(c.device.type == "cuda" for c in kv_caches)
+        seen: set[int] = set()
+        offset = 0
         for cache in kv_caches:
             if cache.data_ptr() in seen:
                 continue
             seen.add(cache.data_ptr())
-            shape = list(cache.shape)
-            shape[block_dim] = self.num_cpu_blocks
+            nbytes = cache.select(block_dim, 0).numel() * cache.element_size()
             self._dev_caches.append(cache)
-            self._cpu_caches.append(torch.zeros(shape, dtype=cache.dtype, device="cpu", pin_memory=pin))
-        total = sum(c.numel() * c.element_size() for c in self._cpu_caches)
+            self._layout.append((offset, nbytes))
+            offset += nbytes
+        self._slot_bytes = offset
+        device = self._dev_caches[0].device
+        pin = device.type == "cuda"
+        # Pinned allocations are rounded up to a power of two: chunks of just under 1 GiB waste less than a slot.
+        self._slots_per_chunk = max(1, POOL_CHUNK_BYTES // offset)
+        self._pool = [
+            torch.zeros((min(self._slots_per_chunk, self.num_cpu_blocks - s), offset), dtype=torch.uint8,
+                        pin_memory=pin)
+            for s in range(0, self.num_cpu_blocks, self._slots_per_chunk)
+        ]
+        staging_slots = max(1, min(STAGING_SLOTS, STAGING_BYTES // offset, self.num_cpu_blocks))
+        self._staging = torch.empty((staging_slots, offset), dtype=torch.uint8, device=device)
         logger.info(
-            "CPU KV offloading: %d blocks (%.2f GiB%s)", self.num_cpu_blocks, total / 2**30, ", pinned" if pin else ""
+            "CPU KV offloading: %d blocks (%.2f GiB%s), %d-block device staging buffer",
+            self.num_cpu_blocks, self.num_cpu_blocks * offset / 2**30, ", pinned" if pin else "", staging_slots,
         )
+
+    def _index(self, block_ids: list[int]) -> torch.Tensor:
+        """Device block ids as an index tensor on the caches' device, without a host sync on CUDA."""
+        idx = torch.tensor(block_ids, dtype=torch.long)
+        device = self._staging.device
+        if device.type == "cuda":
+            return idx.pin_memory().to(device, non_blocking=True)
+        return idx
+
+    def _slot_runs(self, slots: list[int]) -> list[tuple[int, int, int, int]]:
+        """(first staging row, pool chunk, first row in it, count) for runs of consecutive slots in one chunk."""
+        runs: list[tuple[int, int, int, int]] = []
+        per = self._slots_per_chunk
+        for j, slot in enumerate(slots):
+            chunk, row = divmod(slot, per)
+            if runs:
+                j0, c0, r0, n0 = runs[-1]
+                if c0 == chunk and r0 + n0 == row:
+                    runs[-1] = (j0, c0, r0, n0 + 1)
+                    continue
+            runs.append((j, chunk, row, 1))
+        return runs
 
     def _copy(self, pairs: list[tuple[int, int]], to_device: bool) -> None:
         """Copy blocks: (CPU slot, device block) pairs into the device (``to_device``), (device block, CPU slot)
-        pairs out of it."""
+        pairs out of it. Through the device staging buffer, a chunk of blocks at a time: out, one gather per
+        cache tensor into the staging rows, then one copy per run of consecutive slots to the host; in, the
+        reverse. On CUDA every copy is asynchronous on the current (compute) stream, so they are ordered with the
+        forwards and with each other (the next chunk's gather waits for this chunk's copies out of the buffer)."""
         d = self._block_dim
-        if self._dev_caches and self._dev_caches[0].device.type == "cpu":  # one gather and scatter per tensor
-            src = torch.tensor([p[0] for p in pairs], dtype=torch.long)
-            dst = torch.tensor([p[1] for p in pairs], dtype=torch.long)
-            for dev, cpu in zip(self._dev_caches, self._cpu_caches):
-                if to_device:
-                    dev.index_copy_(d, dst, cpu.index_select(d, src))
-                else:
-                    cpu.index_copy_(d, dst, dev.index_select(d, src))
-            return
-        # CUDA: a non-blocking copy per block and tensor, on the compute stream (no host sync).
-        for dev, cpu in zip(self._dev_caches, self._cpu_caches):
-            for a, b in pairs:
-                if to_device:
-                    dev.narrow(d, b, 1).copy_(cpu.narrow(d, a, 1), non_blocking=True)
-                else:
-                    cpu.narrow(d, b, 1).copy_(dev.narrow(d, a, 1), non_blocking=True)
+        staging = self._staging
+        for c in range(0, len(pairs), staging.shape[0]):
+            chunk = pairs[c : c + staging.shape[0]]
+            n = len(chunk)
+            if to_device:
+                slots, blocks = [p[0] for p in chunk], [p[1] for p in chunk]
+            else:
+                blocks, slots = [p[0] for p in chunk], [p[1] for p in chunk]
+            idx = self._index(blocks)
+            runs = self._slot_runs(slots)
+            if to_device:
+                for j, ci, r, k in runs:
+                    staging[j : j + k].copy_(self._pool[ci][r : r + k], non_blocking=True)
+                for cache, (off, nbytes) in zip(self._dev_caches, self._layout):
+                    by_block = cache.movedim(d, 0)  # [num_blocks, ...]
+                    rows = staging[:n, off : off + nbytes].view(cache.dtype).view(n, *by_block.shape[1:])
+                    by_block.index_copy_(0, idx, rows)
+            else:
+                for cache, (off, nbytes) in zip(self._dev_caches, self._layout):
+                    gathered = cache.movedim(d, 0).index_select(0, idx)  # [n, ...]
+                    staging[:n, off : off + nbytes].copy_(gathered.reshape(n, -1).view(torch.uint8))
+                for j, ci, r, k in runs:
+                    self._pool[ci][r : r + k].copy_(staging[j : j + k], non_blocking=True)
 
     def load_blocks(self, loads: list[tuple[int, int]]) -> set[int]:
         """Copy (CPU slot, device block) pairs in; returns the device blocks that failed (none here: a connector
