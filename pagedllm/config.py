@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -707,10 +708,24 @@ class EngineConfig:
     enable_sleep_mode: bool = False  # LLM.sleep / wake_up may release device memory (pagedllm/worker/sleep_mode.py)
     worker_extension_cls: str | None = None  # "module.Class" mixed into every rank's Worker (collective_rpc)
     kv_transfer_config: KVTransferConfig | None = None  # None: no KV connector
+    # GiB of each rank's decoder-layer weights kept in host memory and streamed to the device every forward
+    # (vLLM's cpu_offload_gb; pagedllm/worker/weight_offload.py). 0: every weight on the device.
+    cpu_offload_gb: float = 0
+
+    def __post_init__(self) -> None:
+        check_cpu_offload_gb(self.cpu_offload_gb)
 
     @property
     def data_parallel_size(self) -> int:
         return self.parallel_config.data_parallel_size
+
+
+def check_cpu_offload_gb(value: Any) -> None:
+    """``ValueError`` naming ``cpu_offload_gb`` unless it is a finite number >= 0 (GiB)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"cpu_offload_gb must be a number of GiB, got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"cpu_offload_gb must be a finite number >= 0 (GiB), got {value!r}")
 
 
 def _check_pipeline_parallel(
@@ -825,6 +840,7 @@ def make_engine_config(
     worker_extension_cls: str | None = None,
     runner: str = "auto",
     pooler_config: dict[str, Any] | None = None,
+    cpu_offload_gb: float = 0,
 ) -> EngineConfig:
     """Build every config from vLLM-named keyword arguments (what ``LLM(...)`` and ``pagedllm serve`` take).
     ``usage_context``: "llm" (offline) or "api_server", which picks the batch defaults (``default_batch_limits``)."""
@@ -841,6 +857,7 @@ def make_engine_config(
 
         get_connector_class(kv_transfer)  # an unknown name, a module that does not import, a role it refuses
     cudagraph_mode = parse_compilation_config(compilation_config, optimization_level)
+    check_cpu_offload_gb(cpu_offload_gb)
     if enable_sleep_mode and speculative_config is not None:
         raise ValueError("enable_sleep_mode: sleep mode with speculative decoding is not supported yet")
     if worker_extension_cls is not None:
@@ -872,6 +889,11 @@ def make_engine_config(
             pipeline_parallel_size,
             data_parallel_size,
         )
+        if cpu_offload_gb:
+            raise ValueError(
+                f"cpu_offload_gb is not supported with a pooling model ({model_config.model}); use runner='generate' "
+                "or cpu_offload_gb=0"
+            )
         if enable_sleep_mode:
             raise ValueError("enable_sleep_mode: sleep mode is for generating models; a pooling model has none")
     if dtype == "auto":
@@ -966,4 +988,5 @@ def make_engine_config(
         enable_sleep_mode=enable_sleep_mode,
         worker_extension_cls=worker_extension_cls,
         kv_transfer_config=kv_transfer,
+        cpu_offload_gb=cpu_offload_gb,
     )

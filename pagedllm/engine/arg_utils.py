@@ -184,6 +184,14 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     parser.add_argument(
         "--swap-space", type=float, default=None, help="vLLM's older name for --kv-offloading-size (GiB)"
     )
+    parser.add_argument(
+        "--cpu-offload-gb",
+        type=float,
+        default=0,
+        help="GiB of each GPU's model weights (whole decoder layers, from the first) kept in CPU memory and copied "
+        "to the GPU for every forward pass: more room for the KV cache, at the cost of a copy of those weights each "
+        "step (needs a fast CPU-GPU link)",
+    )
     parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT directories)")
     parser.add_argument(
         "--max-loras", type=int, default=1, help="most distinct LoRA adapters in one batch (GPU slots)"
@@ -287,6 +295,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         kv_offloading_size=getattr(args, "kv_offloading_size", None),
         kv_offloading_backend=getattr(args, "kv_offloading_backend", None),
         swap_space=getattr(args, "swap_space", None),
+        cpu_offload_gb=getattr(args, "cpu_offload_gb", 0),
     )
 
 

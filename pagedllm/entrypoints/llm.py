@@ -95,6 +95,7 @@ class LLM:
         kv_offloading_size: float | None = None,
         kv_offloading_backend: str | None = None,
         swap_space: float | None = None,
+        cpu_offload_gb: float = 0,
         **kwargs: Any,
     ) -> None:
         if kwargs:
@@ -152,6 +153,7 @@ class LLM:
             kv_offloading_size=kv_offloading_size,
             kv_offloading_backend=kv_offloading_backend,
             swap_space=swap_space,
+            cpu_offload_gb=cpu_offload_gb,
         )
         self.llm_engine = LLMEngine(config)
         self._counter = itertools.count()

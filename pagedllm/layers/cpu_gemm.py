@@ -79,9 +79,12 @@ class PackedWeight:
 
 def pack_weight(weight: torch.Tensor, min_elements: int | None = None) -> PackedWeight | None:
     """A ``PackedWeight`` for ``weight`` ([out, in]), or None where the layer should stay on ``F.linear``: not on
-    CPU, another dtype, fewer than ``min_elements`` (default ``PACK_MIN_ELEMENTS``) elements, or packing turned
-    off or unavailable (for this dtype on this CPU: ``can_pack``)."""
+    CPU, another dtype, fewer than ``min_elements`` (default ``PACK_MIN_ELEMENTS``) elements, packing turned
+    off or unavailable (for this dtype on this CPU: ``can_pack``), or a weight offloaded with ``cpu_offload_gb``
+    (``worker/weight_offload.py``: it is staged for each forward; a packed copy would stay resident)."""
     if weight.device.type != "cpu" or weight.dtype not in _PACKED_DTYPES or weight.dim() != 2:
+        return None
+    if getattr(weight, "cpu_offloaded", False):
         return None
     least = PACK_MIN_ELEMENTS if min_elements is None else min_elements
     if weight.numel() == 0 or weight.numel() < least or not can_pack(weight.dtype):

@@ -67,6 +67,7 @@ def draft_engine_config(config: EngineConfig) -> EngineConfig:
     draft_model.max_model_len = target.max_model_len
     # Under tensor parallelism the draft is not sharded: it runs whole in the engine core's process (rank 0). Its
     # cache follows the target's block ids, one list per request: one KV cache group, whatever its layers' windows.
+    # cpu_offload_gb offloads the target's layers only: the draft stays whole on the device.
     return replace(
         config,
         model_config=draft_model,
@@ -74,6 +75,7 @@ def draft_engine_config(config: EngineConfig) -> EngineConfig:
         speculative_config=None,
         lora_config=None,
         parallel_config=ParallelConfig(),
+        cpu_offload_gb=0,
     )
 
 

@@ -31,6 +31,7 @@ from pagedllm.worker.cuda_graphs import CudaGraphRunner
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.piecewise_graphs import PiecewiseGraphRunner, piecewise_sizes
 from pagedllm.worker.spec_step import collect_spec, sample_spec
+from pagedllm.worker.weight_offload import maybe_offload
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,9 @@ class ModelRunner:
             "loaded %s in %.2fs (%s, %s)", mc.model, time.perf_counter() - t0, self.dtype, self.device
         )
         self.lora_manager = self._make_lora_manager()  # before the KV cache is sized: slots take memory
+        # cpu_offload_gb: after LoRA (its slots are allocated where the layer's weights are) and before the KV cache
+        # is sized (the offloaded weights' memory goes to it).
+        self.weight_offload = maybe_offload(self.model, getattr(config, "cpu_offload_gb", 0), self.device)
         self.sampler = Sampler()
         self.max_blocks_per_req = _cdiv(self.max_model_len, self.block_size)
         self.kv_layout = self._plan_kv_layout()  # the engine core's KV cache manager keeps these groups
@@ -347,6 +351,7 @@ class ModelRunner:
         self.kv_caches = []
         self.input_batch = None
         self.lora_manager = None
+        self.weight_offload = None  # (its pinned host copies of the offloaded layers)
         self.model = None
 
     def _graph_mode(self) -> str:
@@ -354,14 +359,16 @@ class ModelRunner:
         return getattr(self.config, "cudagraph_mode", "FULL_AND_PIECEWISE")
 
     def _graphs_wanted(self) -> bool:
-        """Any CUDA graphs: unless eager mode (or ``cudagraph_mode`` NONE) was asked for or the backend cannot be
-        captured."""
+        """Any CUDA graphs: unless eager mode (or ``cudagraph_mode`` NONE) was asked for, the backend cannot be
+        captured, or layers are offloaded (``cpu_offload_gb``: the steps wait for the weight copies, not for
+        launches; worker/weight_offload.py)."""
         return not (
             self.config.enforce_eager
             or self._graph_mode() == "NONE"
             or self.keep_hidden
             or self.device.type != "cuda"
             or self.attn_backend.name != "triton"
+            or self.weight_offload is not None
         )
 
     def _is_mla(self) -> bool:

@@ -14,6 +14,10 @@ made again at wake-up. On CUDA the caching allocator then hands the freed blocks
 
 What stays on the device: the persistent batch's small buffers and LoRA slots. Not covered: a speculative
 decoding proposer (refused with sleep mode at start-up).
+
+Offloaded layers (``cpu_offload_gb``, worker/weight_offload.py): their weights live in host memory already and stay
+there at either level (their values survive level 2 too); the device staging slots they are copied into are freed
+without a backup and grown back at wake-up (every forward refills them).
 """
 
 from __future__ import annotations
@@ -101,6 +105,7 @@ class SleepState:
         self._weights: list[_SleepingStorage] = []
         self._buffers: list[_SleepingStorage] = []
         self._kv: list[_SleepingStorage] = []
+        self._staging: list[_SleepingStorage] = []  # offloaded layers' device slots (no backup)
         self._packed: list[nn.Module] = []  # modules whose oneDNN copy was dropped
         self.weights_discarded = False  # level 2: the weights must be written again
 
@@ -121,11 +126,16 @@ class SleepState:
             self._packed = [m for m in model.modules() if getattr(m, "packed_weight", None) is not None]
             for m in self._packed:
                 m.packed_weight = None
-            params = _unique_storages(list(model.parameters()))
-            param_ptrs = {s.data_ptr() for s in params}
+            offload = getattr(runner, "weight_offload", None)
+            on_host = set() if offload is None else offload.host_storage_ptrs()  # offloaded: host memory already
+            params = [s for s in _unique_storages(list(model.parameters())) if s.data_ptr() not in on_host]
+            param_ptrs = {s.data_ptr() for s in params} | on_host
             buffers = [s for s in _unique_storages(list(model.buffers())) if s.data_ptr() not in param_ptrs]
             self._weights = _release(params, keep=level == 1)
             self._buffers = _release(buffers, keep=True)
+            if offload is not None:
+                offload.forget_prefetch()
+                self._staging = _release(_unique_storages(offload.staging), keep=False)
             self.weights_discarded = level >= 2
             self.asleep.add("weights")
         empty_device_cache(runner.device)
@@ -140,9 +150,10 @@ class SleepState:
         if "weights" in tags and "weights" in self.asleep:
             _restore(self._weights)
             _restore(self._buffers)
+            _restore(self._staging)
             for m in self._packed:
                 m.packed_weight = pack_weight(m.weight)
-            self._weights, self._buffers, self._packed = [], [], []
+            self._weights, self._buffers, self._packed, self._staging = [], [], [], []
             self.asleep.discard("weights")
             if self.weights_discarded:
                 logger.info("weights back after sleep level 2: their values are undefined until written")

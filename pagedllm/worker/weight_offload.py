@@ -1,0 +1,317 @@
+"""Weight offload (vLLM's ``cpu_offload_gb``): keep some decoder layers' weights in host memory and stream them to
+the device for every forward pass, so that a model larger than the device's memory runs.
+
+Which layers: from the first decoder layer on, every whole layer while the bytes offloaded so far fit the budget
+(``plan_offload``; per rank: each tensor-parallel rank offloads its own shard, each pipeline stage its own layers).
+A layer's offloaded tensors are its parameters (float or quantized, as they are after loading) and any buffer that
+shares their storage (an MoE layer's stacked experts); a storage also used outside the layer (a rotary table every
+layer shares) stays on the device. Adapter slots of LoRA layers are not parameters of the layer: they stay too.
+
+Layout. Each offloaded layer's storages are copied, byte for byte, into one host buffer (pinned on CUDA), each at a
+512-byte aligned offset; the device keeps ``num_slots`` staging buffers of the largest layer's size, with the same
+layout. Layer ``k`` (in offload order) uses slot ``k % num_slots``::
+
+    host:     layer 0 [qkv | o | gate_up | down | norms]   layer 1 [...]   layer 2 [...]   ...
+    device:   slot 0 [layer 0, 2, 4, ...]   slot 1 [layer 1, 3, 5, ...]
+
+Between forwards every offloaded tensor is a view of its host buffer: weight updates, sleep mode and anything else
+that reads or writes the parameters see the host copy. A forward pre-hook on the layer copies the host buffer into
+its slot (one copy a layer) and points the tensors at the slot (``tensor.data``); the forward hook points them back.
+Kernels queued during the layer keep the slot's addresses, so nothing waits for them on the host.
+
+Overlap (CUDA): copies run on a side stream. When layer ``k`` starts, the compute stream waits for ``k``'s copy,
+then the copy of layer ``k + 1`` is queued into the other slot; it waits for the compute stream's work so far,
+which ends with layer ``k - 1``, the last reader of that slot. So layer ``k + 1`` arrives while layer ``k``
+computes. On CPU the "device" is the CPU and the copy is a plain synchronous one (one slot): the same path, tested
+without a GPU.
+
+CUDA graphs are not captured when layers are offloaded (``ModelRunner._graphs_wanted``): each step is then bound by
+the host-to-device copies (a Llama-3.1-8B layer is 0.4 GiB), so a graph would save launch time the GPU spends
+waiting for copies anyway.
+
+On CPU, offloaded linear layers multiply with ``F.linear`` on the staged weight rather than through a oneDNN-packed
+copy (``layers/cpu_gemm.py``: a packed copy would be a second resident copy of the weight). Layers of at least
+65,536 weights are thus rounded as ``F.linear`` rounds, not as the packed GEMM.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+_ALIGN = 512  # bytes: every storage starts this aligned in the host buffer and in the staging slot
+OFFLOADED_ATTR = "cpu_offloaded"  # set True on every offloaded tensor (cpu_gemm.pack_weight skips them)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _byte_view(storage: torch.UntypedStorage, nbytes: int) -> torch.Tensor:
+    """A ``[nbytes]`` uint8 tensor over the start of ``storage``."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (nbytes,), (1,))
+
+
+def _view_like(t: torch.Tensor, buffer: torch.Tensor, byte_offset: int) -> torch.Tensor:
+    """A tensor with ``t``'s dtype, size, stride and storage offset over ``buffer`` (uint8) from ``byte_offset``."""
+    elem = t.element_size()
+    start = byte_offset // elem + t.storage_offset()
+    return torch.empty(0, dtype=t.dtype, device=buffer.device).set_(
+        buffer.untyped_storage(), start, t.size(), t.stride()
+    )
+
+
+def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """``(name, module list)`` of the model's decoder layers (``model.layers`` of every generating family);
+    ``ValueError`` naming ``cpu_offload_gb`` when the model has none."""
+    body = getattr(model, "model", None)
+    layers = getattr(body, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"cpu_offload_gb: {type(model).__name__} has no decoder layers (model.layers) to offload")
+    name = next(n for n, m in model.named_modules() if m is layers)
+    return name, layers
+
+
+def _layer_storages(model: nn.Module, prefix: str, num_layers: int) -> list[list[torch.UntypedStorage]]:
+    """Per layer, the storages it may offload (first use order): those holding a parameter of the layer and no
+    tensor outside it."""
+    owners: dict[int, set[int | None]] = {}  # storage data_ptr -> layer indices (None: outside every layer)
+    storages: dict[int, torch.UntypedStorage] = {}
+    holds_param: set[int] = set()
+    lead = prefix + "."
+    named = [(n, t, True) for n, t in model.named_parameters(remove_duplicate=False)]
+    named += [(n, t, False) for n, t in model.named_buffers(remove_duplicate=False)]
+    for name, t, is_param in named:
+        if t.device.type == "meta":
+            continue
+        storage = t.untyped_storage()
+        if storage.nbytes() == 0:
+            continue
+        ptr = storage.data_ptr()
+        layer: int | None = None
+        if name.startswith(lead):
+            head = name[len(lead) :].split(".", 1)[0]
+            layer = int(head) if head.isdigit() else None
+        owners.setdefault(ptr, set()).add(layer)
+        storages.setdefault(ptr, storage)
+        if is_param and layer is not None:
+            holds_param.add(ptr)
+    per_layer: list[list[torch.UntypedStorage]] = [[] for _ in range(num_layers)]
+    for ptr, who in owners.items():
+        if ptr in holds_param and len(who) == 1:
+            (layer,) = who
+            if layer is not None and layer < num_layers:
+                per_layer[layer].append(storages[ptr])
+    return per_layer
+
+
+def layer_offload_bytes(storages: Sequence[torch.UntypedStorage]) -> int:
+    """Bytes one layer's host buffer (and staging slot) takes: its storages, each 512-byte aligned."""
+    return sum(_aligned(s.nbytes()) for s in storages)
+
+
+def plan_offload(layer_bytes: Sequence[int], budget_bytes: int) -> list[int]:
+    """The layers to offload: from the first, each whole layer while the total stays within ``budget_bytes``
+    (a layer with nothing to offload is skipped). Stops at the first layer that does not fit, as the budget is
+    filled from the first layers."""
+    chosen, total = [], 0
+    for i, nbytes in enumerate(layer_bytes):
+        if nbytes == 0:
+            continue
+        if total + nbytes > budget_bytes:
+            break
+        chosen.append(i)
+        total += nbytes
+    return chosen
+
+
+@dataclass
+class _Layer:
+    index: int  # decoder layer index
+    module: nn.Module
+    nbytes: int
+    host: torch.Tensor  # [nbytes] uint8 (pinned on CUDA)
+    slot: int
+    tensors: list[torch.Tensor] = field(default_factory=list)  # the layer's params / buffers over offloaded storages
+    host_views: list[torch.Tensor] = field(default_factory=list)  # each one's view of ``host``
+    staged_views: list[torch.Tensor] = field(default_factory=list)  # each one's view of its staging slot
+    ready: Any = None  # torch.cuda.Event: this layer's copy into its slot is done
+
+
+class WeightOffloader:
+    """Offloads one rank's decoder layers (see the module docstring) and streams them back at forward time."""
+
+    def __init__(self, model: nn.Module, budget_bytes: int, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        prefix, module_list = decoder_layers(model)
+        per_layer = _layer_storages(model, prefix, len(module_list))
+        sizes = [layer_offload_bytes(s) for s in per_layer]
+        chosen = plan_offload(sizes, budget_bytes)
+        self.layers: list[_Layer] = []
+        self.staging: list[torch.Tensor] = []  # [num_slots] each [slot_bytes] uint8 on the device
+        self.copy_stream: Any = None
+        self._pending: int | None = None  # offload position of the layer whose copy was queued ahead
+        self._handles: list[Any] = []
+        if not chosen:
+            return
+        self.num_slots = 2 if self.cuda and len(chosen) > 1 else 1
+        slot_bytes = max(sizes[i] for i in chosen)
+        self.staging = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(self.num_slots)]
+        if self.cuda:
+            self.copy_stream = torch.cuda.Stream(device)
+        tensors_of = self._tensors_by_storage(model, prefix)
+        for k, i in enumerate(chosen):
+            self.layers.append(self._offload(k, i, module_list[i], per_layer[i], sizes[i], tensors_of))
+        if self.cuda:
+            torch.cuda.synchronize(device)
+        for k, layer in enumerate(self.layers):
+            self._handles.append(layer.module.register_forward_pre_hook(self._pre_hook(k)))
+            self._handles.append(layer.module.register_forward_hook(self._post_hook(k), always_call=True))
+
+    @staticmethod
+    def _tensors_by_storage(model: nn.Module, prefix: str) -> dict[int, list[torch.Tensor]]:
+        """storage data_ptr -> the distinct parameter and buffer objects of the decoder layers over it."""
+        out: dict[int, list[torch.Tensor]] = {}
+        seen: set[int] = set()
+        lead = prefix + "."
+        items = list(model.named_parameters(remove_duplicate=False)) + list(
+            model.named_buffers(remove_duplicate=False)
+        )
+        for name, t in items:
+            if not name.startswith(lead) or id(t) in seen or t.device.type == "meta":
+                continue
+            seen.add(id(t))
+            out.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+        return out
+
+    @torch.no_grad()
+    def _offload(
+        self,
+        k: int,
+        index: int,
+        module: nn.Module,
+        storages: list[torch.UntypedStorage],
+        nbytes: int,
+        tensors_of: dict[int, list[torch.Tensor]],
+    ) -> _Layer:
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+        layer = _Layer(index, module, nbytes, host, slot=k % self.num_slots)
+        staging = self.staging[layer.slot]
+        offset = 0
+        for storage in storages:
+            n = storage.nbytes()
+            host[offset : offset + n].copy_(_byte_view(storage, n))
+            for t in tensors_of[storage.data_ptr()]:
+                layer.tensors.append(t)
+                layer.host_views.append(_view_like(t, host, offset))
+                layer.staged_views.append(_view_like(t, staging, offset))
+            offset += _aligned(n)
+        for t, host_view in zip(layer.tensors, layer.host_views):
+            t.data = host_view  # the device storage goes once nothing else holds it
+            setattr(t, OFFLOADED_ATTR, True)
+        for m in module.modules():  # a packed CPU copy would be a second resident copy of the weight
+            if getattr(m, "packed_weight", None) is not None:
+                m.packed_weight = None
+        if self.cuda:
+            layer.ready = torch.cuda.Event()
+        return layer
+
+    # ------------------------------------------------------------------ forward
+
+    def _queue_copy(self, k: int, compute: Any) -> None:
+        """Queue layer ``k``'s copy into its slot on the copy stream, after the compute stream's work so far (which
+        ends with the slot's previous reader)."""
+        layer = self.layers[k]
+        self.copy_stream.wait_stream(compute)
+        with torch.cuda.stream(self.copy_stream):
+            self.staging[layer.slot][: layer.nbytes].copy_(layer.host, non_blocking=True)
+            layer.ready.record(self.copy_stream)
+
+    def _stage(self, k: int) -> None:
+        layer = self.layers[k]
+        if self.cuda:
+            compute = torch.cuda.current_stream(self.device)
+            if self._pending != k:
+                self._queue_copy(k, compute)
+            compute.wait_event(layer.ready)
+            self._pending = None
+            if k + 1 < len(self.layers):  # the next one arrives while this one computes
+                self._queue_copy(k + 1, compute)
+                self._pending = k + 1
+        else:
+            self.staging[layer.slot][: layer.nbytes].copy_(layer.host)
+        for t, staged in zip(layer.tensors, layer.staged_views):
+            t.data = staged
+
+    def _unstage(self, k: int) -> None:
+        layer = self.layers[k]
+        for t, host_view in zip(layer.tensors, layer.host_views):
+            t.data = host_view
+
+    def _pre_hook(self, k: int):
+        def hook(module: nn.Module, args: Any) -> None:
+            self._stage(k)
+
+        return hook
+
+    def _post_hook(self, k: int):
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            self._unstage(k)
+
+        return hook
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def layer_indices(self) -> list[int]:
+        return [layer.index for layer in self.layers]
+
+    @property
+    def offloaded_bytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def staging_bytes(self) -> int:
+        return sum(t.numel() for t in self.staging)
+
+    def host_storage_ptrs(self) -> set[int]:
+        """The host buffers' storages (sleep mode leaves them: they are host memory already)."""
+        return {layer.host.untyped_storage().data_ptr() for layer in self.layers}
+
+    def forget_prefetch(self) -> None:
+        """Drop the note of a copy queued ahead (its slot is about to lose its memory: sleep mode)."""
+        self._pending = None
+
+    def summary(self) -> str:
+        return (
+            f"{self.num_layers} decoder layers ({', '.join(map(str, self.layer_indices))}) offloaded: "
+            f"{self.offloaded_bytes / 2**30:.2f} GiB in host memory, {self.staging_bytes / 2**30:.2f} GiB of device "
+            f"staging ({len(self.staging)} slot{'s' if len(self.staging) > 1 else ''})"
+        )
+
+
+def maybe_offload(model: nn.Module, cpu_offload_gb: float, device: torch.device) -> WeightOffloader | None:
+    """Offload up to ``cpu_offload_gb`` GiB of ``model``'s decoder layers (``WeightOffloader``); None when the budget
+    is 0 or no layer fits it (logged)."""
+    if not cpu_offload_gb:
+        return None
+    offloader = WeightOffloader(model, int(cpu_offload_gb * 2**30), device)
+    if offloader.num_layers == 0:
+        logger.warning("cpu_offload_gb=%g: no whole decoder layer fits that budget; nothing offloaded", cpu_offload_gb)
+        return None
+    logger.info("cpu_offload_gb=%g: %s", cpu_offload_gb, offloader.summary())
+    if device.type == "cuda":
+        logger.info("cpu_offload_gb: CUDA graphs are not captured (the steps wait for the weight copies, not launches)")
+    return offloader
