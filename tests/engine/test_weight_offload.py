@@ -110,6 +110,31 @@ def test_flag_reaches_the_engine_arguments():
     assert engine_kwargs_from_args(parser.parse_args([]))["cpu_offload_gb"] == 0
 
 
+def test_config_file_takes_the_flag_name():
+    from pagedllm.entrypoints.config_file import config_to_defaults
+    from pagedllm.entrypoints.openai.serve_cli import add_cli_args
+
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    assert config_to_defaults(parser, {"cpu-offload-gb": 4}) == {"cpu_offload_gb": 4.0}
+
+
+def _offload_report(worker) -> tuple[int, int]:
+    offload = worker.model_runner.weight_offload
+    return offload.num_layers, offload.offloaded_bytes
+
+
+def test_tensor_parallel_ranks_offload_their_own_shards(tiny_llama, reference):
+    """Each rank offloads its shard of the same layers (about half a layer's bytes each); greedy tokens as without."""
+    expected, layer_bytes = reference
+    engine = {k: v for k, v in ENGINE.items() if k != "enforce_eager"}
+    with LLM(tiny_llama, tensor_parallel_size=2, cpu_offload_gb=ALL, **engine) as llm:
+        reports = llm.collective_rpc(_offload_report)
+        assert [n for n, _ in reports] == [2, 2]
+        assert all(0.4 * 2 * layer_bytes < nbytes < 0.7 * 2 * layer_bytes for _, nbytes in reports)
+        assert greedy(llm) == [tokens for tokens, _ in expected]
+
+
 def test_weight_update_lands_in_the_host_copy(tiny_llama, updated_tiny_llama):
     """An update through an engine that offloads every layer gives what a fresh engine on the new weights gives."""
     updated_dir, state = updated_tiny_llama
