@@ -351,7 +351,9 @@ class ModelRunner:
         self.kv_caches = []
         self.input_batch = None
         self.lora_manager = None
-        self.weight_offload = None  # (its pinned host copies of the offloaded layers)
+        if getattr(self, "weight_offload", None) is not None:
+            self.weight_offload.close()  # its hooks held it (and its pinned host copies) from the model
+        self.weight_offload = None
         self.model = None
 
     def _graph_mode(self) -> str:

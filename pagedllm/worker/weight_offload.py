@@ -294,6 +294,12 @@ class WeightOffloader:
         """Drop the note of a copy queued ahead (its slot is about to lose its memory: sleep mode)."""
         self._pending = None
 
+    def close(self) -> None:
+        """Remove the hooks (the model stops staging; its offloaded tensors stay views of the host copies)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
     def summary(self) -> str:
         return (
             f"{self.num_layers} decoder layers ({', '.join(map(str, self.layer_indices))}) offloaded: "
