@@ -7,8 +7,8 @@ A layer's offloaded tensors are its parameters (float or quantized, as they are 
 shares their storage (an MoE layer's stacked experts); a storage also used outside the layer (a rotary table every
 layer shares) stays on the device. Adapter slots of LoRA layers are not parameters of the layer: they stay too.
 
-Layout. Each offloaded layer's storages are copied, byte for byte, into one host buffer (pinned on CUDA), each at a
-512-byte aligned offset; the device keeps ``num_slots`` staging buffers of the largest layer's size, with the same
+Layout. Each offloaded layer's storages are copied, byte for byte, into one host buffer (pinned on CUDA, where
+consecutive layers' buffers share allocations: ``host_buffers``), each storage at a 512-byte aligned offset; the device keeps ``num_slots`` staging buffers of the largest layer's size, with the same
 layout. Layer ``k`` (in offload order) uses slot ``k % num_slots``::
 
     host:     layer 0 [qkv | o | gate_up | down | norms]   layer 1 [...]   layer 2 [...]   ...
@@ -60,9 +60,10 @@ def _byte_view(storage: torch.UntypedStorage, nbytes: int) -> torch.Tensor:
 
 
 def _view_like(t: torch.Tensor, buffer: torch.Tensor, byte_offset: int) -> torch.Tensor:
-    """A tensor with ``t``'s dtype, size, stride and storage offset over ``buffer`` (uint8) from ``byte_offset``."""
+    """A tensor with ``t``'s dtype, size, stride and storage offset over ``buffer`` (uint8, itself possibly a view)
+    from ``byte_offset``."""
     elem = t.element_size()
-    start = byte_offset // elem + t.storage_offset()
+    start = (buffer.storage_offset() + byte_offset) // elem + t.storage_offset()
     return torch.empty(0, dtype=t.dtype, device=buffer.device).set_(
         buffer.untyped_storage(), start, t.size(), t.stride()
     )
@@ -132,12 +133,44 @@ def plan_offload(layer_bytes: Sequence[int], budget_bytes: int) -> list[int]:
     return chosen
 
 
+def _pow2_ceil(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def pinned_group_size(sizes: Sequence[int]) -> int:
+    """How many consecutive layers share one pinned allocation: the count whose allocations, each rounded up to a
+    power of two, pin the least in total (the smallest such count)."""
+
+    def pinned_total(g: int) -> int:
+        return sum(_pow2_ceil(sum(sizes[i : i + g])) for i in range(0, len(sizes), g))
+
+    return min(range(1, len(sizes) + 1), key=lambda g: (pinned_total(g), g))
+
+
+def host_buffers(sizes: Sequence[int], pin: bool) -> list[torch.Tensor]:
+    """One ``[size]`` uint8 host buffer per layer. Pinned ones are views of a few larger allocations: torch's pinned
+    allocator rounds every allocation up to a power of two (a 0.41 GiB Llama-3.1-8B layer would pin 0.5 GiB), so
+    consecutive layers share allocations, as many per allocation as wastes the least in total."""
+    if not pin:
+        return [torch.empty(n, dtype=torch.uint8) for n in sizes]
+    best = pinned_group_size(sizes)
+    out = []
+    for i in range(0, len(sizes), best):
+        chunk = sizes[i : i + best]
+        arena = torch.empty(sum(chunk), dtype=torch.uint8, pin_memory=True)
+        offset = 0
+        for n in chunk:
+            out.append(arena[offset : offset + n])
+            offset += n
+    return out
+
+
 @dataclass
 class _Layer:
     index: int  # decoder layer index
     module: nn.Module
     nbytes: int
-    host: torch.Tensor  # [nbytes] uint8 (pinned on CUDA)
+    host: torch.Tensor  # [nbytes] uint8 (pinned on CUDA: a view of an allocation other layers share)
     slot: int
     tensors: list[torch.Tensor] = field(default_factory=list)  # the layer's params / buffers over offloaded storages
     host_views: list[torch.Tensor] = field(default_factory=list)  # each one's view of ``host``
@@ -168,8 +201,9 @@ class WeightOffloader:
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(device)
         tensors_of = self._tensors_by_storage(model, prefix)
+        hosts = host_buffers([sizes[i] for i in chosen], pin=self.cuda)
         for k, i in enumerate(chosen):
-            self.layers.append(self._offload(k, i, module_list[i], per_layer[i], sizes[i], tensors_of))
+            self.layers.append(self._offload(k, i, module_list[i], per_layer[i], hosts[k], tensors_of))
         if self.cuda:
             torch.cuda.synchronize(device)
         for k, layer in enumerate(self.layers):
@@ -199,11 +233,10 @@ class WeightOffloader:
         index: int,
         module: nn.Module,
         storages: list[torch.UntypedStorage],
-        nbytes: int,
+        host: torch.Tensor,
         tensors_of: dict[int, list[torch.Tensor]],
     ) -> _Layer:
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
-        layer = _Layer(index, module, nbytes, host, slot=k % self.num_slots)
+        layer = _Layer(index, module, host.numel(), host, slot=k % self.num_slots)
         staging = self.staging[layer.slot]
         offset = 0
         for storage in storages:
@@ -287,7 +320,7 @@ class WeightOffloader:
         return sum(t.numel() for t in self.staging)
 
     def host_storage_ptrs(self) -> set[int]:
-        """The host buffers' storages (sleep mode leaves them: they are host memory already)."""
+        """The host buffers' storages (the pinned allocations; sleep mode leaves them: they are host memory)."""
         return {layer.host.untyped_storage().data_ptr() for layer in self.layers}
 
     def forget_prefetch(self) -> None:
