@@ -303,6 +303,9 @@ class KVTransferConfig:
     kv_role: str = "kv_both"
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
     kv_connector_module_path: str | None = None
+    # vLLM's top-level address fields (its P2pNcclConnector reads them); a connector's extra config may override
+    kv_ip: str | None = None
+    kv_port: int | None = None
 
     @classmethod
     def from_dict(cls, value: dict[str, Any] | KVTransferConfig) -> KVTransferConfig:
@@ -310,7 +313,9 @@ class KVTransferConfig:
             return value
         if not isinstance(value, dict):
             raise ValueError(f"kv_transfer_config must be a dict, got {type(value).__name__}")
-        known = {"kv_connector", "kv_role", "kv_connector_extra_config", "kv_connector_module_path"}
+        known = {
+            "kv_connector", "kv_role", "kv_connector_extra_config", "kv_connector_module_path", "kv_ip", "kv_port"
+        }  # fmt: skip
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"kv_transfer_config: unknown keys {unknown}; known: {sorted(known)}")
@@ -331,6 +336,13 @@ class KVTransferConfig:
         path = self.kv_connector_module_path
         if path is not None and (not isinstance(path, str) or not path):
             raise ValueError(f"kv_transfer_config.kv_connector_module_path must be a module name, got {path!r}")
+        if self.kv_ip is not None and (not isinstance(self.kv_ip, str) or not self.kv_ip):
+            raise ValueError(f"kv_transfer_config.kv_ip must be a host name or address, got {self.kv_ip!r}")
+        if self.kv_port is not None:
+            try:
+                self.kv_port = int(self.kv_port)  # vLLM's examples give it as a string
+            except (TypeError, ValueError):
+                raise ValueError(f"kv_transfer_config.kv_port must be a port number, got {self.kv_port!r}") from None
 
 
 def resolve_kv_transfer_config(

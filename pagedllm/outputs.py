@@ -53,6 +53,8 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    # A KV connector's handle for another instance (disaggregated prefill: where the prompt's KV waits)
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 # ---------------------------------------------------------------------------------------------- pooling models

@@ -113,8 +113,16 @@ class SamplingParams:
     # Filled in by the engine: token ids of `bad_words`, one list per word.
     _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
     extra_args: dict[str, Any] | None = None
+    # Disaggregated prefill/decode (pagedllm/kv_transfer/p2p.py): {"do_remote_decode": true} on the prefill
+    # instance; the handle its output returns, on the decode instance. vLLM also reads it from
+    # extra_args["kv_transfer_params"]; either works.
+    kv_transfer_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        if self.kv_transfer_params is None and self.extra_args and "kv_transfer_params" in self.extra_args:
+            self.kv_transfer_params = self.extra_args["kv_transfer_params"]
+        if self.kv_transfer_params is not None and not isinstance(self.kv_transfer_params, dict):
+            raise ValueError(f"kv_transfer_params must be a dict, got {type(self.kv_transfer_params).__name__}")
         if self.stop is None:
             self.stop = []
         elif isinstance(self.stop, str):

@@ -56,6 +56,7 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     queue_time: float | None = None  # seconds from arrival to first scheduling; on the first output only
     pooling_output: list[float] | None = None  # a pooling request's result (pagedllm/pooling/pooler.py)
+    kv_transfer_params: dict[str, Any] | None = None  # a KV connector's handle, on the finished output only
 
     @property
     def finished(self) -> bool:

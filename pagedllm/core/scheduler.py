@@ -183,8 +183,12 @@ class Scheduler:
             request.status = status
             self._free(request)
 
-    def _free(self, request: Request) -> None:
-        if self.connector is not None and self._connector_keeps_blocks(request):
+    def _free(self, request: Request) -> dict[str, Any] | None:
+        """Release a finished request; returns the connector's kv_transfer_params for its output (or None)."""
+        delay, params = False, None
+        if self.connector is not None:  # it may keep the blocks for its saves or a remote instance's pull
+            delay, params = self.connector.request_finished(request, self.kv.get_block_ids(request.request_id))
+        if delay and request.request_id in self.kv.req_to_blocks:
             self.delayed_free[request.request_id] = request
         else:
             self.kv.free(request)
@@ -193,6 +197,7 @@ class Scheduler:
         self.finished_req_ids.add(request.request_id)
         self.preempted_req_ids.discard(request.request_id)
         del self.requests[request.request_id]
+        return params
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or bool(self.waiting) or bool(self.loading) or bool(self.delayed_free)
@@ -201,11 +206,6 @@ class Scheduler:
         return len(self.running) + len(self.waiting) + len(self.loading)
 
     # ------------------------------------------------------------------ KV connector
-
-    def _connector_keeps_blocks(self, request: Request) -> bool:
-        """Ask the connector whether a finished request's blocks must wait for its saves."""
-        delay, _ = self.connector.request_finished(request, self.kv.get_block_ids(request.request_id))
-        return bool(delay) and request.request_id in self.kv.req_to_blocks
 
     def _start_load(
         self, request: Request, hit_blocks: Any, num_hit: int, num_external: int, reserve: int
@@ -626,7 +626,7 @@ class Scheduler:
                     self.running.remove(request)
                 else:
                     self.waiting.remove(request)
-                self._free(request)
+                outputs[-1].kv_transfer_params = self._free(request)
         return EngineCoreOutputs(outputs=outputs, stats=self.make_stats(), timestamp=time.monotonic())
 
     def _lookahead(self, num_computed_after: int, num_tokens: int) -> int:

@@ -644,6 +644,7 @@ def merge_request_outputs(first: RequestOutput, then: RequestOutput, kind: Reque
         finished=then.finished,
         num_cached_tokens=then.num_cached_tokens,
         metrics=then.metrics,
+        kv_transfer_params=then.kv_transfer_params,
     )
 
 

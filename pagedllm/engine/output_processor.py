@@ -191,6 +191,7 @@ class _RequestState:
         )
         self.num_sent_prompt_logprobs = 0
         self.num_cached_tokens = 0
+        self.kv_transfer_params: dict | None = None  # a KV connector's handle (disaggregated prefill)
         self.metrics = RequestMetrics(arrival_time=processed.arrival_time)
         self.timeline = timeline if timeline is not None else RequestTimeline(processed.arrival_time)
 
@@ -292,6 +293,8 @@ class OutputProcessor:
                 continue
             if out.num_cached_tokens > req.num_cached_tokens:
                 req.num_cached_tokens = out.num_cached_tokens
+            if out.kv_transfer_params is not None:
+                req.kv_transfer_params = out.kv_transfer_params
             if out.queue_time is not None and seq.scheduled_time is None:
                 # The core measures arrival -> first scheduled on the one clock both processes share.
                 seq.scheduled_time = req.metrics.arrival_time + out.queue_time
@@ -482,6 +485,7 @@ class OutputProcessor:
             finished=finished,
             num_cached_tokens=req.num_cached_tokens,
             metrics=dataclasses.replace(req.metrics),
+            kv_transfer_params=req.kv_transfer_params,
         )
 
     @staticmethod

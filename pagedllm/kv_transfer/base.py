@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from pagedllm.config import EngineConfig
+    from pagedllm.config import EngineConfig, KVTransferConfig
     from pagedllm.core.kv_cache_manager import KVCacheManager
     from pagedllm.core.request import Request
     from pagedllm.core.sched_output import SchedulerOutput
@@ -91,6 +91,12 @@ class KVConnectorBase:
     def check_extra_config(cls, extra: dict[str, Any]) -> None:
         """``ValueError`` naming the key when ``kv_connector_extra_config`` cannot work (called before the model
         loads)."""
+
+    @classmethod
+    def check_config(cls, transfer: KVTransferConfig) -> None:
+        """The start-up check of the whole ``kv_transfer_config`` (before the model loads); by default
+        ``check_extra_config``."""
+        cls.check_extra_config(transfer.kv_connector_extra_config)
 
     @property
     def is_producer(self) -> bool:
@@ -193,3 +199,6 @@ class KVConnectorBase:
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Device blocks whose load failed since the last call: the scheduler recomputes them."""
         return set()
+
+    def shutdown(self) -> None:
+        """Release threads, sockets and ports (the runner's shutdown; idempotent)."""

@@ -347,6 +347,8 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)  # nothing queued may still write into what is dropped here
         self.graph_runner = self.piecewise = None
         self._last_step = None
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
         self.kv_connector = None  # (a CPU store's pinned memory with it)
         self.kv_caches = []
         self.input_batch = None

@@ -82,6 +82,9 @@ class _SamplingFields(OpenAIBaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # Disaggregated prefill/decode (vLLM's): {"do_remote_decode": true} to a prefill instance; the handle its
+    # response returns, to the decode instance.
+    kv_transfer_params: dict[str, Any] | None = None
 
     def to_beam_search_params(self, max_tokens: int, ip: InputProcessor) -> BeamSearchParams:
         """``BeamSearchParams`` for ``use_beam_search`` (``n`` is the beam width). A field beam search cannot
@@ -305,6 +308,7 @@ class CompletionResponse(OpenAIBaseModel):
     choices: list[CompletionResponseChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill instance's handle for the decode one
 
 
 class ChatTopLogprob(OpenAIBaseModel):
@@ -344,6 +348,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill instance's handle for the decode one
 
 
 class ModelCard(OpenAIBaseModel):

@@ -237,6 +237,7 @@ class OpenAIServingChat(OpenAIServing):
             model=self.model_name,
             choices=choices,
             usage=UsageInfo.of(num_prompt_tokens, num_completion_tokens),
+            kv_transfer_params=final.kv_transfer_params,
         )
 
     async def _stream(

@@ -273,6 +273,8 @@ class OpenAIServingCompletion(OpenAIServing):
             model=self.response_model_name(req.model),
             choices=choices,
             usage=UsageInfo.of(num_prompt_tokens, num_completion_tokens),
+            # one prompt (the disaggregated-prefill case): its handle; several: none
+            kv_transfer_params=finals[0].kv_transfer_params if len(finals) == 1 else None,
         )
 
     # ------------------------------------------------------------------ streaming

@@ -388,6 +388,7 @@ class OpenAIServing:
             structured_outputs=structured_outputs,
             spaces_between_special_tokens=req.spaces_between_special_tokens is not False,
             output_kind=output_kind,
+            kv_transfer_params=req.kv_transfer_params,
         )
         for name in (
             "temperature",
