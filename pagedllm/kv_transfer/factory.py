@@ -14,6 +14,8 @@ if TYPE_CHECKING:
 # name -> (module, class name)
 _REGISTRY: dict[str, tuple[str, str]] = {
     "OffloadingConnector": ("pagedllm.kv_transfer.cpu_offloading", "OffloadingConnector"),
+    "P2pConnector": ("pagedllm.kv_transfer.p2p", "P2pConnector"),
+    "P2pNcclConnector": ("pagedllm.kv_transfer.p2p", "P2pConnector"),  # vLLM's name for it
 }
 
 
@@ -53,7 +55,7 @@ def get_connector_class(transfer: KVTransferConfig) -> type[KVConnectorBase]:
         raise ValueError(
             f"kv_transfer_config.kv_role: {name} takes {' or '.join(cls.supported_roles)}, got {transfer.kv_role!r}"
         )
-    cls.check_extra_config(transfer.kv_connector_extra_config)
+    cls.check_config(transfer)
     return cls
 
 
