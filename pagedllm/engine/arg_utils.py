@@ -166,7 +166,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
         type=_json_dict,
         default=None,
         help='a KV connector, as JSON: \'{"kv_connector": "OffloadingConnector", "kv_role": "kv_both", '
-        '"kv_connector_extra_config": {"num_cpu_blocks": 4096}}\'; "kv_connector_module_path" loads one from '
+        '"kv_connector_extra_config": {"num_cpu_blocks": 4096}}\'; disaggregated prefill/decode: "P2pConnector" '
+        'with "kv_role" "kv_producer" (and "kv_port") or "kv_consumer"; "kv_connector_module_path" loads one from '
         "another module",
     )
     parser.add_argument(

@@ -1,4 +1,4 @@
-"""The ``pagedllm`` command: ``serve | generate | chat | bench {serve, throughput, latency}``.
+"""The ``pagedllm`` command: ``serve | generate | chat | disagg-proxy | bench {serve, throughput, latency}``.
 
 Each subcommand lives in a module exposing ``add_cli_args(parser)`` and ``main(args) -> int``. Only the module
 of the subcommand being run is imported, so a broken or missing one only breaks its own subcommand (and
@@ -19,6 +19,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("pagedllm.entrypoints.openai.serve_cli", "run the OpenAI-compatible HTTP server"),
     "generate": ("pagedllm.entrypoints.generate", "generate text for prompts, offline"),
     "chat": (__name__ + ":chat", "chat with a model in the terminal"),
+    "disagg-proxy": (
+        "pagedllm.entrypoints.disagg_proxy",
+        "one OpenAI endpoint in front of prefill and decode instances (disaggregated prefill/decode)",
+    ),
 }
 BENCH_COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("pagedllm.benchmarks.serve", "load-test a running OpenAI-compatible server"),
@@ -79,7 +83,7 @@ def build_parser(
     from pagedllm import __version__
 
     parser.add_argument("--version", action="version", version=f"pagedllm {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{serve,generate,chat,bench}")
+    sub = parser.add_subparsers(dest="command", metavar="{serve,generate,chat,disagg-proxy,bench}")
     words = _positionals(argv)
     chosen = words[0] if words else None
     leaves: dict[tuple[str, ...], argparse.ArgumentParser] = {}

@@ -46,8 +46,9 @@ class RemoteServer:
         api_key: str | None = API_KEY,
         command: list[str] | None = None,
         env: dict[str, str] | None = None,
+        port: int | None = None,
     ) -> None:
-        self.port = free_port()
+        self.port = port or free_port()  # a given port: a restart where the last one was
         self.api_key = api_key
         self.log_path = log_path
         cmd = [
