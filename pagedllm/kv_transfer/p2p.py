@@ -467,13 +467,14 @@ class P2pConnector(KVConnectorBase):
         self.host = _advertised_host(self.cfg["kv_ip"])
         # Scheduler side.
         self._requests: dict[str, Request] = {}
-        self._tried: set[str] = set()  # consumer: requests whose handle was looked at (loaded at most once)
+        self._tried: set[str] = set()  # consumer: requests whose handle was used or refused (loaded at most once)
         self._loads: list[_Load] = []
         self._releases: list[tuple[str, int, str]] = []
         self._sends: dict[str, list[int]] = {}
         self.num_offered_blocks = 0  # producer: blocks kept for a consumer
         self.num_pulled_requests = 0  # consumer: loads started
         self.num_refused_handles = 0  # consumer: handles that did not match the request
+        self._role_warned: set[str] = set()
         # Worker side.
         self._producer: _Producer | None = None
         self._consumer: _Consumer | None = None
@@ -490,15 +491,25 @@ class P2pConnector(KVConnectorBase):
 
     def _handle(self, request: Request) -> dict[str, Any] | None:
         params = request.sampling_params.kv_transfer_params
-        if not self.is_consumer or not params or not params.get("do_remote_prefill"):
+        if not params or not params.get("do_remote_prefill"):
+            return None
+        if not self.is_consumer:
+            self._warn_role("do_remote_prefill", "kv_consumer")
             return None
         return params
+
+    def _warn_role(self, what: str, role: str) -> None:
+        if what not in self._role_warned:
+            self._role_warned.add(what)
+            logger.warning(
+                "requests with kv_transfer_params.%s need kv_role %s or kv_both; this instance is %s: ignored "
+                "(the prompt is computed here)", what, role, self.transfer_config.kv_role,
+            )  # fmt: skip
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = self._handle(request)
         if params is None or request.request_id in self._tried:
             return 0, False
-        self._tried.add(request.request_id)  # looked at once: a recompute never loads again
         host = params.get("remote_host") or self.cfg["remote_host"]
         port = params.get("remote_port") or self.cfg["remote_port"]
         remote_id = params.get("remote_request_id")
@@ -521,6 +532,7 @@ class P2pConnector(KVConnectorBase):
             logger.warning("request %s: not loading its KV from the producer: %s", request.request_id, why)
             self.num_refused_handles += 1
         if why is not None or num_remote <= num_computed_tokens:
+            self._tried.add(request.request_id)  # decided: never loads (its device prefix hit covers it, or refused)
             if host and port and isinstance(remote_id, str):
                 self._releases.append((str(host), int(port), remote_id))
             return 0, False
@@ -531,6 +543,7 @@ class P2pConnector(KVConnectorBase):
             return
         params = self._handle(request)
         assert params is not None
+        self._tried.add(request.request_id)  # loaded once: after a failure or a preemption it recomputes
         bs = self.block_size
         start = request.num_computed_tokens // bs
         self._loads.append(
@@ -555,7 +568,10 @@ class P2pConnector(KVConnectorBase):
 
         self._tried.discard(request.request_id)
         params = request.sampling_params.kv_transfer_params
-        if not self.is_producer or not params or not params.get("do_remote_decode"):
+        if not params or not params.get("do_remote_decode"):
+            return False, None
+        if not self.is_producer:
+            self._warn_role("do_remote_decode", "kv_producer")
             return False, None
         if request.status == RequestStatus.FINISHED_ABORTED or request.num_output_tokens == 0:
             return False, None  # its prompt may not be computed; the decode instance computes it all
@@ -654,6 +670,8 @@ class P2pConnector(KVConnectorBase):
             idx = torch.tensor(load.block_ids, dtype=torch.long, device=self._caches[0].device)
             for cache, buf in zip(self._caches, result):
                 cache.index_copy_(self._block_dim, idx, buf)
+                if buf.is_cuda:  # allocated on the puller thread's stream, read on this one: not reused before
+                    buf.record_stream(torch.cuda.current_stream(buf.device))
         return sending, recving
 
     def get_block_ids_with_load_errors(self) -> set[int]:

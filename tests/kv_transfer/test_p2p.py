@@ -185,6 +185,24 @@ def test_handle_for_another_prompt_is_not_loaded(pair, single):
     consumer.llm_engine.engine_core.reset_prefix_cache()
 
 
+def test_role_mismatch_is_ignored_not_wrong(pair, single):
+    """do_remote_decode sent to a consumer, a handle sent to a producer: no handle, no load, the right tokens."""
+    producer, consumer = pair
+    prompts = make_prompts()[3:4]
+    params = PARAMS.clone()
+    params.kv_transfer_params = {"do_remote_decode": True}
+    outs = run(consumer, prompts, [params])
+    assert outs[0].kv_transfer_params is None
+    assert_same(tokens_and_logprobs(outs), single[3:4])
+    params.kv_transfer_params = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 1,
+                                 "remote_request_id": "x", "remote_num_tokens": 16, "remote_block_size": BLOCK_SIZE}
+    assert_same(tokens_and_logprobs(run(producer, prompts, [params])), single[3:4])
+    assert_no_leaks(producer)
+    assert_no_leaks(consumer)
+    for llm in pair:
+        llm.llm_engine.engine_core.reset_prefix_cache()
+
+
 def test_broken_transfer_recomputes(pair, single, monkeypatch):
     """The producer agrees to send, then its side of the transfer dies: the consumer's receive times out and the
     request recomputes its prompt; both sides free everything."""
