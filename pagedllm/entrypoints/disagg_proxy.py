@@ -71,6 +71,7 @@ class DisaggProxy:
         self.decode_urls = [u.rstrip("/") for u in decode_urls]
         self._prefill = itertools.cycle(self.prefill_urls)
         self._decode = itertools.cycle(self.decode_urls)
+        self._warned: set[str] = set()  # prefill instances that returned no handle (said once)
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s, connect=5.0), limits=httpx.Limits(max_connections=None)
         )
@@ -102,6 +103,10 @@ class DisaggProxy:
             data, status = _backend_error(resp, resp.content, "prefill")
             return JSONResponse(data, status_code=status)
         handle = resp.json().get("kv_transfer_params")
+        if not handle and prefill_url not in self._warned:
+            self._warned.add(prefill_url)
+            logger.warning("prefill instance %s returned no kv_transfer_params: is it started with a P2pConnector "
+                           "kv_producer --kv-transfer-config? (the decode instance computes the prompt)", prefill_url)
         decode_req = dict(body)
         if handle:
             decode_req["kv_transfer_params"] = handle
@@ -201,6 +206,7 @@ def main(args: argparse.Namespace) -> int:
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not two lines per request
     proxy = DisaggProxy(args.prefill, args.decode, args.timeout)
     logger.info("disagg-proxy on %s:%d: prefill %s, decode %s", args.host, args.port, proxy.prefill_urls,
                 proxy.decode_urls)  # fmt: skip
