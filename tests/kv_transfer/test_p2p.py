@@ -148,6 +148,29 @@ def test_pd_equals_one_engine(pair, single):
         consumer.llm_engine.engine_core.reset_prefix_cache()
 
 
+def test_a_consumer_short_of_blocks_still_loads_every_request(pair, tiny_llama):
+    """Requests the consumer cannot admit at once (few blocks) keep their handles until they are admitted."""
+    producer, _ = pair
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 200) for _ in range(30)] for _ in range(3)]
+    handles = prefill(producer, prompts)
+    consumer = LLM(
+        tiny_llama, dtype="float32", device="cpu", block_size=BLOCK_SIZE, max_model_len=64,
+        num_gpu_blocks_override=16, kv_transfer_config=p2p("kv_consumer"),
+    )  # fmt: skip
+    stepper = Stepper(producer)
+    try:
+        run(consumer, prompts, decode_params(handles))
+        assert consumer.llm_engine.engine_core.scheduler.external_prefix_cache_hits == sum(
+            h["remote_num_tokens"] for h in handles
+        )
+        assert_no_leaks(consumer)
+    finally:
+        stepper.close()
+        consumer.shutdown()
+    assert_no_leaks(producer)
+
+
 def test_dead_producer_recomputes(pair, single):
     _, consumer = pair
     prompts = make_prompts()[3:5]
