@@ -510,13 +510,12 @@ class P2pConnector(KVConnectorBase):
         params = self._handle(request)
         if params is None or request.request_id in self._tried:
             return 0, False
-        host = params.get("remote_host") or self.cfg["remote_host"]
-        port = params.get("remote_port") or self.cfg["remote_port"]
+        host, port = self._address(params)
         remote_id = params.get("remote_request_id")
         num_remote = params.get("remote_num_tokens", 0)
         bs = self.block_size
         why = None
-        if not host or not port or not isinstance(remote_id, str) or not isinstance(num_remote, int):
+        if not host or not port or not isinstance(remote_id, str) or type(num_remote) is not int:
             why = "it names no producer (remote_host, remote_port, remote_request_id, remote_num_tokens)"
         elif num_remote == 0:
             return 0, False  # a prompt shorter than a block: nothing was kept
@@ -534,9 +533,22 @@ class P2pConnector(KVConnectorBase):
         if why is not None or num_remote <= num_computed_tokens:
             self._tried.add(request.request_id)  # decided: never loads (its device prefix hit covers it, or refused)
             if host and port and isinstance(remote_id, str):
-                self._releases.append((str(host), int(port), remote_id))
+                self._releases.append((host, port, remote_id))
             return 0, False
         return num_remote - num_computed_tokens, True
+
+    def _address(self, params: dict[str, Any]) -> tuple[str | None, int | None]:
+        """The producer a handle names (else the configured default); (None, None) for a malformed one (the
+        handle comes from the request: it must not take the engine down)."""
+        host = params.get("remote_host") or self.cfg["remote_host"]
+        port = params.get("remote_port") or self.cfg["remote_port"]
+        try:
+            port = int(port)
+        except (TypeError, ValueError):
+            return None, None
+        if not isinstance(host, str) or not 0 < port < 65536:
+            return None, None
+        return host, port
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
         if num_external_tokens == 0:
@@ -546,11 +558,12 @@ class P2pConnector(KVConnectorBase):
         self._tried.add(request.request_id)  # loaded once: after a failure or a preemption it recomputes
         bs = self.block_size
         start = request.num_computed_tokens // bs
+        host, port = self._address(params)
         self._loads.append(
             _Load(
                 request.request_id,
-                str(params.get("remote_host") or self.cfg["remote_host"]),
-                int(params.get("remote_port") or self.cfg["remote_port"]),
+                host,
+                port,
                 params["remote_request_id"],
                 start,
                 list(block_ids[start : start + num_external_tokens // bs]),

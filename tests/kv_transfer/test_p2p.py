@@ -209,7 +209,8 @@ def test_handle_for_another_prompt_is_not_loaded(pair, single):
 
 
 def test_role_mismatch_is_ignored_not_wrong(pair, single):
-    """do_remote_decode sent to a consumer, a handle sent to a producer: no handle, no load, the right tokens."""
+    """do_remote_decode sent to a consumer, a handle sent to a producer, a malformed handle: no handle, no load, the
+    right tokens."""
     producer, consumer = pair
     prompts = make_prompts()[3:4]
     params = PARAMS.clone()
@@ -220,6 +221,8 @@ def test_role_mismatch_is_ignored_not_wrong(pair, single):
     params.kv_transfer_params = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 1,
                                  "remote_request_id": "x", "remote_num_tokens": 16, "remote_block_size": BLOCK_SIZE}
     assert_same(tokens_and_logprobs(run(producer, prompts, [params])), single[3:4])
+    params.kv_transfer_params = {**params.kv_transfer_params, "remote_port": "not a port"}  # malformed: refused
+    assert_same(tokens_and_logprobs(run(consumer, prompts, [params])), single[3:4])
     assert_no_leaks(producer)
     assert_no_leaks(consumer)
     for llm in pair:
