@@ -1,5 +1,5 @@
 """`pagedllm disagg-proxy` in front of a `pagedllm serve` prefill instance (kv_producer) and a decode instance
-(kv_consumer): completions and chat, streamed or not, equal what the decode instance answers alone; the decode
+(kv_consumer): completions and chat, streamed or not, equal what one instance answers alone; the decode
 instance really loaded the prompts' KV; the client's API key reaches the backends; backend errors come back in
 OpenAI's shape; a prefill instance restart fails the requests during the outage (502) and not the later ones."""
 
@@ -86,16 +86,13 @@ def test_proxy_end_to_end_and_prefill_restart(tiny_llama, tmp_path):
     proxy = None
     try:
         proxy = Proxy(prefill.base_url, decode.base_url, tmp_path / "proxy.log")
-        client, alone = proxy.client(), decode.openai_client()
+        # The reference: the prefill instance alone, before the prompt is in any cache (same weights, same device).
+        client, alone = proxy.client(), prefill.openai_client()
         prompt = "the quick brown fox jumps over the lazy dog and then it runs far away"
         kw = dict(model=tiny_llama, max_tokens=8, temperature=0.0, logprobs=2)
-
-        def want() -> object:  # the decode instance alone (no handle: it computes the whole prompt)
-            return alone.completions.create(prompt=prompt, **kw)
-
+        expect = alone.completions.create(prompt=prompt, **kw)
         got = client.completions.create(prompt=prompt, **kw)
         assert decode.wait_idle() and metric(decode.metrics(), "external_prefix_cache_hits_total") > 0
-        expect = want()
         assert got.choices[0].text == expect.choices[0].text
         for a, b in zip(got.choices[0].logprobs.token_logprobs, expect.choices[0].logprobs.token_logprobs):
             assert a == pytest.approx(b, abs=1e-4)
@@ -104,8 +101,9 @@ def test_proxy_end_to_end_and_prefill_restart(tiny_llama, tmp_path):
 
         messages = [{"role": "user", "content": "tell me about the brown fox please"}]
         chat_kw = dict(model=tiny_llama, messages=messages, max_tokens=8, temperature=0.0)
+        chat_expect = alone.chat.completions.create(**chat_kw).choices[0].message.content
         chat = client.chat.completions.create(**chat_kw)
-        assert chat.choices[0].message.content == alone.chat.completions.create(**chat_kw).choices[0].message.content
+        assert chat.choices[0].message.content == chat_expect
         chunks = client.chat.completions.create(stream=True, **chat_kw)
         assert "".join(c.choices[0].delta.content or "" for c in chunks) == chat.choices[0].message.content
 
@@ -126,7 +124,8 @@ def test_proxy_end_to_end_and_prefill_restart(tiny_llama, tmp_path):
         )
         hits = metric(decode.metrics(), "external_prefix_cache_hits_total")
         prompt = "a different prompt after the restart, long enough to span blocks"
-        assert client.completions.create(prompt=prompt, **kw).choices[0].text == want().choices[0].text
+        expect = prefill.openai_client().completions.create(prompt=prompt, **kw)
+        assert client.completions.create(prompt=prompt, **kw).choices[0].text == expect.choices[0].text
         assert metric(decode.wait_idle(), "external_prefix_cache_hits_total") > hits  # from the new producer
         for server in (prefill, decode):
             assert metric(server.wait_idle(), "integrity_check_failures_total") == 0
