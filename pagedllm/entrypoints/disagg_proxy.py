@@ -55,7 +55,7 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     """The request for the prefill instance: one token, not streamed, keeping the prompt's KV for a decode one."""
     out = dict(body)
     out["max_tokens"] = 1
-    for key in ("max_completion_tokens", "stream_options", "min_tokens"):
+    for key in ("max_completion_tokens", "stream_options", "min_tokens", "best_of"):
         out.pop(key, None)
     out["stream"] = False
     out["n"] = 1
