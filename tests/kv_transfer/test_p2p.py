@@ -26,10 +26,10 @@ def make_prompts() -> list[list[int]]:
     return prompts
 
 
-def make_llm(path: str, transfer: dict | None = None) -> LLM:
+def make_llm(path: str, transfer: dict | None = None, **kw) -> LLM:
     return LLM(
         path, dtype="float32", device="cpu", block_size=BLOCK_SIZE, max_model_len=64, enable_prefix_caching=True,
-        num_gpu_blocks_override=64, kv_transfer_config=transfer,
+        num_gpu_blocks_override=64, kv_transfer_config=transfer, **kw,
     )  # fmt: skip
 
 
@@ -124,7 +124,23 @@ def decode_params(handles: list[dict]) -> list[SamplingParams]:
 
 
 def test_pd_equals_one_engine(pair, single):
-    producer, consumer = pair
+    check_pd_equals_one_engine(*pair, single)
+
+
+def test_pd_equals_one_engine_with_async_scheduling(tiny_llama, single):
+    """As on CUDA, where async scheduling is the default: the producer finishes a request one step late, the
+    consumer's load results arrive while the next step is in flight."""
+    transfer = p2p("kv_producer", kv_port=free_port(), kv_store_port=free_port())
+    producer = make_llm(tiny_llama, transfer, async_scheduling=True)
+    consumer = make_llm(tiny_llama, p2p("kv_consumer"), async_scheduling=True)
+    try:
+        check_pd_equals_one_engine(producer, consumer, single)
+    finally:
+        consumer.shutdown()
+        producer.shutdown()
+
+
+def check_pd_equals_one_engine(producer: LLM, consumer: LLM, single) -> None:
     prompts = make_prompts()
     for _ in range(2):  # the second pass hits the consumer's prefix cache: it releases the producer's blocks
         handles = prefill(producer, prompts)
