@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 # The idle-time integrity check walks every block up to this pool size (under ~10 ms in CPython); a larger pool
 # gets this many blocks per idle transition, in a window that rotates through the pool, plus the O(1) counters.
 IDLE_CHECK_MAX_BLOCKS = 32768
+# A step that scheduled nothing while a KV connector's transfers are pending waits this long before the next one.
+CONNECTOR_IDLE_WAIT_S = 0.001
 
 
 def _bytes(n: float) -> str:
@@ -295,12 +297,15 @@ class EngineCore:
         self._pending_sample = None
         return step, future.result()
 
-    def _wait_for_grammars(self) -> None:
+    def _wait_when_idle(self) -> None:
         """Nothing could be scheduled: if requests wait for their grammar, block briefly on the first of them
-        instead of spinning."""
+        instead of spinning; if only a KV connector's transfers are pending (loads, or blocks kept for another
+        instance to pull), pause a moment so that the loop does not spin (or flood the front-end with stats)."""
         waiting = self.scheduler.requests_waiting_for_grammar()
         if waiting:
             waiting[0].grammar.wait(0.05)
+        elif self.scheduler.loading or self.scheduler.delayed_free:
+            time.sleep(CONNECTOR_IDLE_WAIT_S)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -325,7 +330,7 @@ class EngineCore:
             return EngineCoreOutputs(stats=self.get_stats(), timestamp=time.monotonic())
         sched = self.scheduler.schedule()
         if sched.total_num_scheduled_tokens == 0:
-            self._wait_for_grammars()
+            self._wait_when_idle()
         step = self.runner.launch(sched)
         self.runner.sample(step, self._grammar_bitmask(step))
         result = self.runner.collect(step)
@@ -343,7 +348,7 @@ class EngineCore:
             sched = self.scheduler.schedule()  # overlaps the previous step's bitmask fill, if one is running
             self._complete_sample()
             if sched.total_num_scheduled_tokens == 0:
-                self._wait_for_grammars()
+                self._wait_when_idle()
             step = self.runner.launch(sched)
             sample_later = self.scheduler.num_grammar_reqs > 0 and bool(step.sample_req_ids)
             if not sample_later:
