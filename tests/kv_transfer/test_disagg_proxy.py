@@ -134,3 +134,14 @@ def test_proxy_end_to_end_and_prefill_restart(tiny_llama, tmp_path):
             proxy.stop()
         prefill.stop()
         decode.stop()
+
+
+def test_prefill_leg_asks_one_token_and_keeps_the_kv():
+    from pagedllm.entrypoints.disagg_proxy import prefill_body
+
+    body = {"model": "m", "messages": [], "max_completion_tokens": 50, "stream": True, "n": 2,
+            "stream_options": {"include_usage": True}, "min_tokens": 5, "kv_transfer_params": {"x": 1}}  # fmt: skip
+    out = prefill_body(body)
+    assert out == {"model": "m", "messages": [], "max_tokens": 1, "stream": False, "n": 1,
+                   "kv_transfer_params": {"do_remote_decode": True}}  # fmt: skip
+    assert body["max_completion_tokens"] == 50  # the decode leg's request is untouched
