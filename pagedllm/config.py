@@ -94,6 +94,9 @@ class ModelConfig:
     quant_config: Any = field(default=None, init=False, repr=False)  # QuantizationConfig | None
     runner_type: str = field(default="generate", init=False)  # "generate" | "pooling": what ``runner`` resolved to
     pooler_config: Any = field(default=None, init=False, repr=False)  # pagedllm.pooling.config.PoolerConfig
+    # A multimodal model's whole HF config (vision tower, projector, text model); None for a text-only model, whose
+    # hf_config is all there is. hf_config is then the text model's config.
+    mm_hf_config: Any = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         from transformers import AutoConfig
@@ -107,7 +110,16 @@ class ModelConfig:
             self.tokenizer = self.model_path
         self.hf_config = AutoConfig.from_pretrained(self.model_path, trust_remote_code=self.trust_remote_code)
         text_config = getattr(self.hf_config, "text_config", None)
-        if text_config is not None and not hasattr(self.hf_config, "num_hidden_layers"):
+        top_archs = getattr(self.hf_config, "architectures", None) or []
+        from pagedllm.multimodal.processing import is_multimodal_architecture
+
+        if top_archs and is_multimodal_architecture(top_archs[0]):
+            # Images in, text out: the model is built from the whole config; everything else reads the text model's
+            # config (layers, heads, vocabulary), named by the multimodal architecture.
+            self.mm_hf_config = self.hf_config
+            text_config.architectures = list(top_archs)
+            self.hf_config = text_config
+        elif text_config is not None and not hasattr(self.hf_config, "num_hidden_layers"):
             self.hf_config = text_config
 
         archs = getattr(self.hf_config, "architectures", None) or []
@@ -164,9 +176,10 @@ class ModelConfig:
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        cfg = state.get("hf_config")
-        if cfg is not None and not isinstance(cfg, PlainHFConfig):
-            state["hf_config"] = PlainHFConfig.from_hf(cfg)
+        for key in ("hf_config", "mm_hf_config"):
+            cfg = state.get(key)
+            if cfg is not None and not isinstance(cfg, PlainHFConfig):
+                state[key] = PlainHFConfig.from_hf(cfg)
         return state
 
     def _resolve_dtype(self, dtype: str | torch.dtype) -> torch.dtype:
@@ -210,6 +223,10 @@ class ModelConfig:
     @property
     def vocab_size(self) -> int:
         return int(self.hf_config.vocab_size)
+
+    @property
+    def is_multimodal(self) -> bool:
+        return self.mm_hf_config is not None
 
     @property
     def num_layers(self) -> int:

@@ -86,9 +86,11 @@ def get_model(
     if pp is not None and pp.size > 1:
         verify_pp_config(hf_config, pp.size, pp.partition)
         tp_kwargs["pp"] = pp
+    # A multimodal model is built from its whole config (vision tower, projector, text model).
+    build_config = getattr(model_config, "mm_hf_config", None) or hf_config
     with _default_dtype(model_config.dtype), torch.device(device):
         if quant_config is None:
-            model = model_cls(hf_config, attn_backend, **tp_kwargs)
+            model = model_cls(build_config, attn_backend, **tp_kwargs)
         else:
             from pagedllm.quantization import quantize_model
 

@@ -390,3 +390,84 @@ def greedy_ids(llm, prompts: list[list[int]] = ROLLOUT_PROMPTS, max_tokens: int 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
+
+
+# ---------------------------------------------------------------- images in, text out (LLaVA)
+
+TINY_IMAGE_TOKEN = "<image>"
+
+
+def make_tiny_llava(path: str | Path, *, feature_layer: int | list[int] = -2, strategy: str = "default") -> str:
+    """Save a tiny random LLaVA-1.5 checkpoint (CLIP tower: 28x28 images, 7x7 patches, 2 layers of width 32; the
+    tiny Llama text model) with its tokenizer (``<image>`` added) and processor (``CLIPImageProcessorPil``), to
+    ``path``; return the directory. An image takes 16 placeholder tokens ("default" strategy) or 17 ("full")."""
+    from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    tokenizer = train_tiny_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": [TINY_IMAGE_TOKEN]})
+    image_token_id = tokenizer.convert_tokens_to_ids(TINY_IMAGE_TOKEN)
+    text_config = _tiny_config(
+        "llama", len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id
+    )
+    vision_config = CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=28,
+        patch_size=7, projection_dim=32,
+    )  # fmt: skip
+    config = LlavaConfig(
+        vision_config=vision_config,
+        text_config=text_config,
+        image_token_index=image_token_id,
+        vision_feature_layer=feature_layer,
+        vision_feature_select_strategy=strategy,
+        projector_hidden_act="gelu",
+    )
+    torch.manual_seed(7)
+    model = LlavaForConditionalGeneration(config)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            offset, std = _default_weight(name)
+            param.copy_(offset + std * torch.randn(param.shape, generator=gen))
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    image_processor = CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    processor = LlavaProcessor(
+        image_processor=image_processor, tokenizer=tokenizer, patch_size=7,
+        vision_feature_select_strategy=strategy, num_additional_image_tokens=1,
+    )  # fmt: skip
+    processor.save_pretrained(path)
+    return str(path)
+
+
+def tiny_image(seed: int, size: tuple[int, int] = (40, 30)):
+    """A seeded random RGB PIL image (``size`` = width, height)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8), "RGB")
+
+
+@torch.inference_mode()
+def hf_llava_greedy_and_logprobs(path: str | Path, prompt: str, images: list, max_new_tokens: int):
+    """transformers' LLaVA, float32: (prompt token ids with placeholders expanded, greedy new token ids (EOS
+    ignored), log_softmax rows [max_new_tokens, vocab] of the logits that chose each of them)."""
+    from transformers import AutoProcessor, GenerationConfig, LlavaForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(str(path))
+    model = LlavaForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    inputs = processor(text=prompt, images=images or None, return_tensors="pt")
+    gen_config = GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
+        output_scores=True, return_dict_in_generate=True,
+    )  # fmt: skip
+    out = model.generate(**inputs, generation_config=gen_config)
+    prompt_ids = inputs["input_ids"][0].tolist()
+    new_ids = out.sequences[0, len(prompt_ids) :].tolist()
+    logprobs = torch.stack([torch.log_softmax(s[0].float(), -1) for s in out.scores])
+    return prompt_ids, new_ids, logprobs

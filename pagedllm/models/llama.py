@@ -298,6 +298,7 @@ class LlamaModel(nn.Module):
         kv_caches: list[torch.Tensor],  # per own layer [2, num_blocks, block_size, num_kv_heads, head_dim]
         attn_metadata: AttentionMetadata,
         intermediate: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,  # [T, hidden_size] instead of embedding input_ids (images)
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | IntermediateTensors:
         """The final hidden states ``[T, hidden_size]``; with ``aux_hidden_state_layers`` set (an EAGLE-3 draft
         reads them), also the residual stream entering each of those layers, concatenated ``[T, A * hidden_size]``.
@@ -306,7 +307,7 @@ class LlamaModel(nn.Module):
         stage's output); ``kv_caches`` holds this stage's layers only; a stage before the last returns its
         ``IntermediateTensors`` instead of normed hidden states."""
         if intermediate is None:
-            hidden = self.embed(input_ids)  # [T, hidden_size]
+            hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds  # [T, hidden_size]
             residual = None
         else:
             hidden, residual = intermediate.hidden, intermediate.residual

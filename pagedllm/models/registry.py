@@ -22,6 +22,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
     "DeepseekV2ForCausalLM": ("deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepseek_v2", "DeepseekV3ForCausalLM"),
+    # Images in, text out (pagedllm/multimodal).
+    "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
 }
 
 
