@@ -89,6 +89,10 @@ class ModelConfig:
     runner: str = "auto"
     # vLLM's pooler_config: {"pooling_type": "CLS" | "MEAN" | "LAST", "normalize": bool} over the checkpoint's
     pooler_overrides: dict[str, Any] | None = None
+    # Multimodal models (vLLM's names): the most items of each modality per prompt ({"image": N}; unset: 999), and
+    # the directory under which file:// image URLs may be read (None: never).
+    limit_mm_per_prompt: dict[str, int] | None = None
+    allowed_local_media_path: str | None = None
     hf_config: Any = field(default=None, init=False, repr=False)
     model_path: str = field(default="", init=False)
     quant_config: Any = field(default=None, init=False, repr=False)  # QuantizationConfig | None
@@ -142,6 +146,20 @@ class ModelConfig:
             )
         if self.served_model_name is None:
             self.served_model_name = self.model
+        self._check_multimodal_options()
+
+    def _check_multimodal_options(self) -> None:
+        limit = self.limit_mm_per_prompt
+        if limit is not None:
+            if not isinstance(limit, dict) or any(
+                k != "image" or not isinstance(v, int) or isinstance(v, bool) or v < 0 for k, v in limit.items()
+            ):
+                raise ValueError(
+                    f'limit_mm_per_prompt must be a dict like {{"image": N}} with N >= 0, got {limit!r}'
+                )
+        path = self.allowed_local_media_path
+        if path is not None and not os.path.isdir(path):
+            raise ValueError(f"allowed_local_media_path {path!r} is not a directory")
 
     def _resolve_runner(self, architecture: str) -> None:
         """Set ``runner_type`` (and ``pooler_config`` for a pooling model); ``ValueError`` naming ``runner`` or
@@ -801,6 +819,32 @@ def _apply_expert_parallel(parallel_config: ParallelConfig, model_config: ModelC
         setattr(model_config.hf_config, EXPERT_PARALLEL_ATTR, ep)
 
 
+def _check_multimodal_composition(
+    model_config: ModelConfig,
+    spec: Any,
+    enable_lora: bool,
+    tp: int,
+    pp: int,
+    dp: int,
+    kv_transfer: Any,
+    quantization: str | None,
+) -> None:
+    """What a multimodal model does not run with yet: refused (``ValueError`` naming the option), never ignored."""
+    for name, on in (
+        ("speculative_config", spec is not None),
+        ("enable_lora", enable_lora),
+        ("tensor_parallel_size", tp > 1),
+        ("pipeline_parallel_size", pp > 1),
+        ("data_parallel_size", dp > 1),
+        ("kv_transfer_config", kv_transfer is not None),
+        ("quantization", quantization is not None or model_config.quant_config is not None),
+        ("runner='pooling'", model_config.runner_type == "pooling"),
+    ):
+        if on:
+            arch = model_config.hf_config.architectures[0]
+            raise ValueError(f"{name} is not supported with a multimodal model ({arch}) yet")
+
+
 def _check_pooling_options(
     model_config: ModelConfig, speculative_config: Any, enable_lora: bool, tp: int, pp: int, dp: int
 ) -> None:
@@ -870,6 +914,8 @@ def make_engine_config(
     runner: str = "auto",
     pooler_config: dict[str, Any] | None = None,
     cpu_offload_gb: float = 0,
+    limit_mm_per_prompt: dict[str, int] | None = None,
+    allowed_local_media_path: str | None = None,
 ) -> EngineConfig:
     """Build every config from vLLM-named keyword arguments (what ``LLM(...)`` and ``pagedllm serve`` take).
     ``usage_context``: "llm" (offline) or "api_server", which picks the batch defaults (``default_batch_limits``)."""
@@ -908,7 +954,14 @@ def make_engine_config(
         quantization=quantization,
         runner=runner,
         pooler_overrides=pooler_config,
+        limit_mm_per_prompt=limit_mm_per_prompt,
+        allowed_local_media_path=allowed_local_media_path,
     )
+    if model_config.is_multimodal:
+        _check_multimodal_composition(
+            model_config, spec, enable_lora, tensor_parallel_size, pipeline_parallel_size, data_parallel_size,
+            kv_transfer, quantization,
+        )  # fmt: skip
     if model_config.runner_type == "pooling":
         _check_pooling_options(
             model_config,

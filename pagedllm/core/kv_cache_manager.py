@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
 from pagedllm.core.request import Request
+from pagedllm.multimodal.inputs import block_extra_keys
 
 
 def cdiv(a: int, b: int) -> int:
@@ -263,9 +264,15 @@ class KVCacheManager:
         extra_keys = (lora_id,) if lora_id else ()  # an adapter changes every layer's KV: its own hash space
         if request.rope_long:  # LongRoPE keys rotated with the long frequencies: never shared with short ones
             extra_keys += ("longrope-long",)
+        features = request.mm_features
         for i in range(len(hashes), num_tokens // bs):
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, request.all_token_ids[i * bs : (i + 1) * bs], extra_keys))
+            keys = extra_keys
+            if features:  # the content hash of each image whose placeholders this block covers
+                mm_keys = block_extra_keys(features, i, bs)
+                if mm_keys:
+                    keys = extra_keys + mm_keys
+            hashes.append(hash_block_tokens(parent, request.all_token_ids[i * bs : (i + 1) * bs], keys))
 
     def update_block_hashes(self, request: Request, num_tokens: int) -> None:
         """Make ``request.block_hashes`` cover every full block among its first ``num_tokens`` tokens (a KV

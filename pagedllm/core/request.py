@@ -50,8 +50,11 @@ class Request:
         arrival_time: float,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        mm_features: list[Any] | None = None,
     ) -> None:
         self.request_id = request_id
+        # Images (MultiModalFeature) in prompt order: their placeholder spans and content hashes; [] for text only.
+        self.mm_features: list[Any] = list(mm_features or ())
         self.lora_request = lora_request  # None: the base model
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
@@ -93,6 +96,7 @@ class Request:
             req.arrival_time,
             req.priority,
             req.lora_request,
+            req.mm_features,
         )
 
     @property

@@ -31,6 +31,8 @@ class EngineCoreRequest:
     # text pair (None: all 0).
     pooling_params: PoolingParams | None = None
     token_type_ids: list[int] | None = None
+    # Images of a multimodal prompt (pagedllm/multimodal/inputs.py), in prompt order; None: text only.
+    mm_features: list[Any] | None = None
 
 
 @dataclass
@@ -114,6 +116,7 @@ class NewRequestData:
     eos_token_id: int | None = None
     output_token_ids: list[int] = field(default_factory=list)  # for penalties after a resume
     lora_request: LoRARequest | None = None  # the adapter its tokens run through (None: the base model)
+    mm_features: list[Any] | None = None  # its images (MultiModalFeature, pixels included); None: text only
 
 
 @dataclass
@@ -141,6 +144,10 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     # The KV connector's KVConnectorMetadata for this step (None without a connector).
     kv_connector_metadata: Any = None
+    # Images (multimodal models): req_id -> indices into its mm_features to encode this step, before the forward;
+    # and the content hashes of encoder outputs no running request needs any more (dropped before encoding).
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    free_encoder_mm_hashes: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -57,6 +57,7 @@ from pagedllm.core.sched_output import (
     SchedulerOutput,
     SchedulerStats,
 )
+from pagedllm.multimodal.encoder_cache import EncoderCacheManager
 
 logger = logging.getLogger(__name__)
 
@@ -117,9 +118,12 @@ class Scheduler:
         kv_cache_manager: KVCacheManager,
         max_loras: int = 0,
         connector: Any = None,
+        encoder_cache_size: int = 0,
     ) -> None:
         """``max_loras``: most distinct LoRA adapters among running requests (0: LoRA is off). ``connector``: the
-        scheduler side of a KV connector (pagedllm/kv_transfer/base.py), or None."""
+        scheduler side of a KV connector (pagedllm/kv_transfer/base.py), or None. ``encoder_cache_size``: a
+        multimodal model's encoder cache, in embedding rows (at least its largest image; 0: text only), which is
+        also each step's encoder budget (``_plan_encoder``)."""
         if config.max_num_seqs is None or config.max_num_batched_tokens is None:
             raise ValueError("the scheduler needs resolved batch limits: call SchedulerConfig.resolve_defaults")
         self.config = config
@@ -158,6 +162,7 @@ class Scheduler:
         self.external_prefix_cache_hits = 0
         if connector is not None:
             connector.bind_scheduler(kv_cache_manager, self.requests)
+        self.encoder_cache = EncoderCacheManager(encoder_cache_size) if encoder_cache_size else None
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -185,6 +190,8 @@ class Scheduler:
 
     def _free(self, request: Request) -> dict[str, Any] | None:
         """Release a finished request; returns the connector's kv_transfer_params for its output (or None)."""
+        if request.mm_features and self.encoder_cache is not None:
+            self.encoder_cache.release_request(request.request_id, request.mm_features)
         delay, params = False, None
         if self.connector is not None:  # it may keep the blocks for its saves or a remote instance's pull
             delay, params = self.connector.request_finished(request, self.kv.get_block_ids(request.request_id))
@@ -312,6 +319,8 @@ class Scheduler:
         """Free a running request's blocks and put it back at the front of the queue with nothing computed."""
         self.running.remove(request)
         self.kv.free(request)
+        if request.mm_features and self.encoder_cache is not None:
+            self.encoder_cache.release_request(request.request_id, request.mm_features)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
@@ -337,12 +346,49 @@ class Scheduler:
         switch = self.kv.longrope_original_max
         return switch is not None and not request.rope_long and num_total > switch
 
+    def _plan_encoder(
+        self, request: Request, num_computed: int, num_new: int, encoder_budget: int
+    ) -> tuple[int, list[int], int]:
+        """Which of ``request``'s images must be encoded for the chunk [num_computed, num_computed + num_new): those
+        whose placeholders overlap it and whose embeddings the encoder cache does not hold. An image that does not
+        fit this step's ``encoder_budget`` or the cache's free room cuts the chunk just before its placeholders
+        (the rest waits for a later step; the chunk may become empty). Returns ``(num_new, image indices to
+        encode, encoder rows they take)``; nothing is reserved until ``_commit_encoder``."""
+        cache = self.encoder_cache
+        to_encode: list[int] = []
+        cost = 0
+        end = num_computed + num_new
+        for i, feature in enumerate(request.mm_features):
+            if feature.offset >= end:
+                break
+            if feature.end <= num_computed or cache.has(feature.mm_hash):
+                continue
+            if any(request.mm_features[j].mm_hash == feature.mm_hash for j in to_encode):
+                continue  # the same image twice in one prompt: encoded once
+            if cost + feature.length > encoder_budget or cost + feature.length > cache.num_free_slots:
+                return max(0, feature.offset - num_computed), to_encode, cost
+            to_encode.append(i)
+            cost += feature.length
+        return num_new, to_encode, cost
+
+    def _commit_encoder(self, request: Request, num_computed: int, num_new: int) -> None:
+        """``request`` holds the encoder cache entries of every image its scheduled chunk touches."""
+        end = num_computed + num_new
+        for feature in request.mm_features:
+            if feature.offset >= end:
+                break
+            if feature.end > num_computed:
+                self.encoder_cache.add_ref(request.request_id, feature)
+
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         max_len = self.config.max_model_len
         scheduled: dict[str, int] = {}  # req_id -> num new tokens, in batch order
         spec_tokens: dict[str, list[int]] = {}  # req_id -> draft tokens scheduled for verification
         preempted = False
+        encoder_cache = self.encoder_cache
+        encoder_inputs: dict[str, list[int]] = {}  # req_id -> its images to encode this step
+        encoder_budget = encoder_cache.cache_size if encoder_cache is not None else 0
 
         # 1. Running requests, in admission order.
         allocate_slots, drafting = self.kv.allocate_slots, bool(self.config.num_lookahead_tokens)
@@ -370,6 +416,11 @@ class Scheduler:
             num_new = min(num_total - num_computed, budget, chunk_cap, max_len - num_computed)
             if num_new <= 0:
                 continue
+            to_encode: list[int] = []
+            if request.mm_features and encoder_cache is not None and num_computed < request.num_prompt_tokens:
+                num_new, to_encode, cost = self._plan_encoder(request, num_computed, num_new, encoder_budget)
+                if num_new <= 0:
+                    continue  # its next image does not fit this step's encoder budget or the cache
             drafts = request.spec_token_ids
             if drafts:
                 request.spec_token_ids = []
@@ -399,6 +450,7 @@ class Scheduler:
                     victim.request_id, 0
                 )  # a victim scheduled earlier gives its tokens back
                 spec_tokens.pop(victim.request_id, None)
+                encoder_inputs.pop(victim.request_id, None)  # (the runner encodes what a sharer then lacks)
                 if victim is request:
                     break
             if request.status != RequestStatus.RUNNING:
@@ -406,6 +458,11 @@ class Scheduler:
                 continue
             scheduled[request.request_id] = num_new
             budget -= num_new
+            if request.mm_features and encoder_cache is not None and num_computed < request.num_prompt_tokens:
+                self._commit_encoder(request, num_computed, num_new)
+                if to_encode:
+                    encoder_inputs[request.request_id] = to_encode
+                    encoder_budget -= cost
 
         # 2. Waiting requests, unless this step already had to preempt (no room to grow).
         new_reqs: list[Request] = []
@@ -462,6 +519,13 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and num_left > budget:
                 break
             num_new = min(num_left, budget, chunk_cap)
+            to_encode, cost = [], 0
+            if request.mm_features and encoder_cache is not None:
+                num_new, to_encode, cost = self._plan_encoder(
+                    request, request.num_computed_tokens + num_hit, num_new, encoder_budget
+                )
+                if num_new <= 0 or (not self.config.enable_chunked_prefill and num_new < num_left):
+                    break  # its next image does not fit this step's encoder budget or the cache: it waits
             if max_partial and num_new < num_left:  # it would end this step mid-prefill
                 if num_partial >= max_partial:
                     set_aside.append(self.waiting.pop())  # no mid-prefill place left: one that finishes may go
@@ -485,6 +549,11 @@ class Scheduler:
             request.num_computed_tokens += num_hit
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if request.mm_features and encoder_cache is not None:
+                self._commit_encoder(request, request.num_computed_tokens, num_new)
+                if to_encode:
+                    encoder_inputs[request.request_id] = to_encode
+                    encoder_budget -= cost
             if request.lora_request is not None:
                 active_loras.add(request.lora_int_id)
             new_reqs.append(request)
@@ -515,6 +584,7 @@ class Scheduler:
                         eos_token_id=request.eos_token_id,
                         output_token_ids=list(request.output_token_ids),
                         lora_request=request.lora_request,
+                        mm_features=request.mm_features or None,
                     )
                 )
             num_blocks = num_blocks_of(req_id)
@@ -541,6 +611,9 @@ class Scheduler:
             num_computed_tokens=num_computed_before,
             scheduled_spec_decode_tokens=spec_tokens,
         )
+        if encoder_cache is not None:
+            out.scheduled_encoder_inputs = encoder_inputs
+            out.free_encoder_mm_hashes = encoder_cache.take_freed()
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         self.finished_req_ids = set()
@@ -578,6 +651,8 @@ class Scheduler:
                     self._count_spec(len(drafts), num_accepted)
             if is_running:
                 cache_blocks(request)  # and frees the blocks its sliding windows left behind
+                if request.mm_features and self.encoder_cache is not None:
+                    self.encoder_cache.release_computed(req_id, request.mm_features, request.num_computed_tokens)
             elif not new_token_ids:
                 continue
             # else: preempted after this (async) step was scheduled; the token it sampled is still valid.
@@ -743,3 +818,5 @@ class Scheduler:
         )
         if not self.requests and not self.delayed_free:
             assert self.kv.num_free_blocks == self.kv.pool.num_blocks, "blocks leaked with no requests left"
+        if self.encoder_cache is not None:
+            self.encoder_cache.check_integrity({r.request_id for r in self.running})

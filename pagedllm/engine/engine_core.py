@@ -135,6 +135,7 @@ class EngineCore:
             self.kv_cache_manager,
             max_loras=lora_config.max_loras if lora_config is not None else 0,
             connector=self._make_kv_connectors(),
+            encoder_cache_size=self._encoder_cache_size(),
         )
         self._lora_paths: dict[int, str] = {}  # lora_int_id -> path, for good: ids key prefix-cache hashes
         self.async_scheduling = config.scheduler_config.async_scheduling
@@ -147,6 +148,16 @@ class EngineCore:
         self.num_integrity_failures = 0
         self.last_integrity_error: str | None = None
         self.kv_cache_info = self._log_kv_cache(num_blocks)
+
+    def _encoder_cache_size(self) -> int:
+        """A multimodal model's encoder cache and per-step encoder budget, in embedding rows: the step's token
+        budget, and never less than one image (vLLM's rule); 0 for a text-only model."""
+        mm_config = self.config.model_config.mm_hf_config
+        if mm_config is None:
+            return 0
+        from pagedllm.multimodal.processing import max_tokens_per_image
+
+        return max(self.config.scheduler_config.max_num_batched_tokens, max_tokens_per_image(mm_config))
 
     def _make_kv_connectors(self) -> Any:
         """The KV connector's two sides (``kv_transfer_config``): the worker side goes to the runner, the scheduler
@@ -236,6 +247,8 @@ class EngineCore:
             raise ValueError(
                 f"prompt_token_ids must be in [0, {self.vocab_size}): token ids out of vocabulary"
             )
+        if request.mm_features:
+            self._check_mm_features(request)
         if request.lora_request is not None:
             self.add_lora(request.lora_request)  # ValueError naming lora_request, with nothing queued
         req = Request.from_engine_core_request(request)
@@ -246,6 +259,18 @@ class EngineCore:
             req.grammar = self._structured().new_state(so, req.prompt_token_ids, stop)
         self.scheduler.add_request(req)
         self._idle_check_due = True
+
+    def _check_mm_features(self, request: EngineCoreRequest) -> None:
+        """Images only for a multimodal model, each span inside the prompt, in order, not overlapping."""
+        if self.scheduler.encoder_cache is None:
+            raise ValueError(
+                f"multi_modal_data: {self.config.model_config.model} is a text-only model; it takes no images"
+            )
+        prev_end = 0
+        for i, f in enumerate(request.mm_features):
+            if f.offset < prev_end or f.end > len(request.prompt_token_ids) or f.length < 1:
+                raise ValueError(f"multi_modal_data: image {i}'s placeholder span is out of order or out of the prompt")
+            prev_end = f.end
 
     def _structured(self) -> StructuredOutputManager:
         if self.structured is None:

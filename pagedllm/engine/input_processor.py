@@ -21,6 +21,8 @@ from pagedllm.tokenizer import AnyTokenizer
 
 # Largest `logprobs` / `prompt_logprobs` accepted unless the model config says otherwise (vLLM's default).
 DEFAULT_MAX_LOGPROBS = 20
+# Most images per prompt unless limit_mm_per_prompt says otherwise (vLLM's default).
+DEFAULT_MM_LIMIT = 999
 
 _CHAT_ROLES = ("system", "user", "assistant", "tool")
 
@@ -74,6 +76,20 @@ class InputProcessor:
         self.eos_token_id: int | None = eos
         # Other ids the model ends turns with (e.g. Llama 3's <|eot_id|>): they become stop token ids.
         self.extra_eos_token_ids: list[int] = [t for t in gen_eos_ids if t != eos]
+        # Multimodal models: the image preprocessing (its HF image processor loads on the first image).
+        self.mm_processor: Any = None
+        mm_config = getattr(model_config, "mm_hf_config", None)
+        if mm_config is not None:
+            from pagedllm.multimodal.processing import MultiModalProcessor
+
+            self.mm_processor = MultiModalProcessor(
+                model_config.model_path, mm_config, getattr(model_config, "trust_remote_code", False)
+            )
+        limit = getattr(model_config, "limit_mm_per_prompt", None) or {}
+        self.max_images_per_prompt = int(limit.get("image", DEFAULT_MM_LIMIT))
+        from pagedllm.multimodal.media import MediaConnector
+
+        self.media = MediaConnector(getattr(model_config, "allowed_local_media_path", None))
 
     # ------------------------------------------------------------------ text
 
@@ -141,6 +157,11 @@ class InputProcessor:
                     f"lora_request must be a LoRARequest or None, got {type(lora_request).__name__}"
                 )
         prompt_text, prompt_token_ids = self._prompt_to_ids(prompt)
+        mm_features = None
+        if isinstance(prompt, Mapping) and prompt.get("multi_modal_data") is not None:
+            prompt_token_ids, mm_features = self.process_multi_modal_data(
+                prompt_token_ids, prompt["multi_modal_data"]
+            )
         self._validate_prompt(prompt_token_ids)
         params = self._prepare_params(params, len(prompt_token_ids))
         if arrival_time is None:
@@ -154,6 +175,7 @@ class InputProcessor:
                 arrival_time=arrival_time,
                 priority=priority,
                 lora_request=lora_request,
+                mm_features=mm_features,
             )
             for i in range(params.n)
         ]
@@ -169,10 +191,11 @@ class InputProcessor:
 
     def _prompt_to_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, Mapping):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"}
             if unknown:
                 raise ValueError(
-                    f"prompt: unknown keys {sorted(unknown)}; use 'prompt' or 'prompt_token_ids'"
+                    f"prompt: unknown keys {sorted(unknown)}; use 'prompt' or 'prompt_token_ids' (and "
+                    "'multi_modal_data')"
                 )
             text = prompt.get("prompt")
             if text is not None and not isinstance(text, str):
@@ -191,6 +214,35 @@ class InputProcessor:
         raise ValueError(
             f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}"
         )
+
+    def process_multi_modal_data(
+        self, prompt_token_ids: list[int], mm_data: Any, field: str = "multi_modal_data"
+    ) -> tuple[list[int], list[Any]]:
+        """``{"image": image | [images]}`` (PIL images, or URL strings the media connector loads) -> the prompt
+        with each image placeholder expanded, and one ``MultiModalFeature`` per image. ``ValueError`` naming
+        ``field``: a text-only model, an unknown modality, more images than ``limit_mm_per_prompt``, an image that
+        does not decode, placeholders that do not match the images."""
+        if not isinstance(mm_data, Mapping):
+            raise ValueError(f'{field} must be a dict like {{"image": image_or_list}}, got {type(mm_data).__name__}')
+        unknown = set(mm_data) - {"image"}
+        if unknown:
+            raise ValueError(f"{field}: unsupported modalities {sorted(unknown)}; only 'image' is supported")
+        images = mm_data.get("image")
+        if images is None:
+            return prompt_token_ids, []
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        if self.mm_processor is None:
+            raise ValueError(
+                f"{field}: {getattr(self.model_config, 'model', 'this model')} is a text-only model; it takes no "
+                "images"
+            )
+        if len(images) > self.max_images_per_prompt:
+            raise ValueError(
+                f"{field}.image: {len(images)} images given, more than limit_mm_per_prompt allows "
+                f"({self.max_images_per_prompt})"
+            )
+        images = [self.media.load_image(img, f"{field}.image[{i}]") for i, img in enumerate(images)]
+        return self.mm_processor.process(prompt_token_ids, images, f"{field}.image")
 
     def _check_token_ids(self, token_ids: Any) -> list[int]:
         if not isinstance(token_ids, (list, tuple)):

@@ -96,6 +96,8 @@ class LLM:
         kv_offloading_backend: str | None = None,
         swap_space: float | None = None,
         cpu_offload_gb: float = 0,
+        limit_mm_per_prompt: dict[str, int] | None = None,
+        allowed_local_media_path: str | None = None,
         **kwargs: Any,
     ) -> None:
         if kwargs:
@@ -154,6 +156,8 @@ class LLM:
             kv_offloading_backend=kv_offloading_backend,
             swap_space=swap_space,
             cpu_offload_gb=cpu_offload_gb,
+            limit_mm_per_prompt=limit_mm_per_prompt,
+            allowed_local_media_path=allowed_local_media_path,
         )
         self.llm_engine = LLMEngine(config)
         self._counter = itertools.count()

@@ -169,7 +169,6 @@ class LlavaForConditionalGeneration(nn.Module):
         self.config = config
         vision_config = _sub(config, "vision_config")
         text_config = _sub(config, "text_config")
-        text_config.architectures = ["LlamaForCausalLM"]
         layer = getattr(config, "vision_feature_layer", -2)
         self.feature_layers = [int(layer)] if isinstance(layer, int) else [int(i) for i in layer]
         self.select_strategy = getattr(config, "vision_feature_select_strategy", "default")

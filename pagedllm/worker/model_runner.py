@@ -126,6 +126,12 @@ class ModelRunner:
         # LongRoPE models: (original_max, max_position) for longrope_positions (None: positions go in as they are).
         original_max = longrope_original_max(mc.hf_config)
         self.longrope = None if original_max is None else (original_max, mc.hf_config.max_position_embeddings)
+        # Images (multimodal models): encoder outputs and the steps' image rows (worker/mm_inputs.py).
+        self.encoder_runner = None
+        if getattr(self.model, "supports_multimodal", False):
+            from pagedllm.worker.mm_inputs import EncoderRunner
+
+            self.encoder_runner = EncoderRunner(self.model, self.device, self.dtype)
 
     # ------------------------------------------------------------------ LoRA
 
@@ -356,6 +362,7 @@ class ModelRunner:
         if getattr(self, "weight_offload", None) is not None:
             self.weight_offload.close()  # its hooks held it (and its pinned host copies) from the model
         self.weight_offload = None
+        self.encoder_runner = None
         self.model = None
 
     def _graph_mode(self) -> str:
@@ -528,6 +535,8 @@ class ModelRunner:
             batch.add(data)
         for data in sched.scheduled_cached_reqs:
             batch.update(data)
+        if self.encoder_runner is not None:
+            self.encoder_runner.update(sched)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step and wait for its sampled tokens (the synchronous engine loop)."""
@@ -618,12 +627,22 @@ class ModelRunner:
         self._lora_mapping(rows, num_sched)
         max_query_len = int(num_sched.max())
         is_pure_decode = max_query_len == 1
-        if self.graph_runner is not None and self.graph_runner.can_run(n, num_tokens, max_query_len):
+        # Chunks over image placeholders: this step runs eagerly on input embeddings (worker/mm_inputs.py).
+        mm_spans = (
+            self.encoder_runner.step_spans(req_ids, num_computed, num_sched, cu)
+            if self.encoder_runner is not None
+            else None
+        )
+        if (
+            not mm_spans
+            and self.graph_runner is not None
+            and self.graph_runner.can_run(n, num_tokens, max_query_len)
+        ):
             hidden = self.graph_runner.run(
                 input_ids, positions, slot_mapping, seq_lens, block_table, input_patch, cu
             )
         else:
-            size = None if self.piecewise is None else self.piecewise.padded_size(num_tokens)
+            size = None if self.piecewise is None or mm_spans else self.piecewise.padded_size(num_tokens)
             qsl_cpu = torch.from_numpy(cu.astype(np.int32))
             seq_lens_cpu = torch.from_numpy(seq_lens)
             tables = torch.from_numpy(np.ascontiguousarray(block_table)).to(dev, non_blocking=True)
@@ -653,6 +672,9 @@ class ModelRunner:
                 input_ids_dev[dst] = values[src]
             if size is not None:
                 hidden = self.piecewise.replay(size, meta)[:num_tokens]
+            elif mm_spans:
+                embeds = self.encoder_runner.inputs_embeds(input_ids_dev, mm_spans)  # [num_tokens, hidden_size]
+                hidden = self.model(input_ids_dev, positions_dev, self.kv_caches, meta, inputs_embeds=embeds)
             else:
                 # [num_tokens, hidden_size], or (that, aux hidden states) for an EAGLE-3 draft; None on a pipeline
                 # stage before the last

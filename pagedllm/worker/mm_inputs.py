@@ -1,0 +1,108 @@
+"""The runner's side of images: the encoder outputs it holds (keyed by content hash) and the step's input
+embeddings with image rows written over the placeholder tokens.
+
+Each step, before the forward: drop the entries the scheduler freed (``SchedulerOutput.free_encoder_mm_hashes``),
+run the vision encoder once over the images it scheduled (``scheduled_encoder_inputs``; images of one size go
+through in one batch), then, for each request whose chunk [computed, computed + scheduled) overlaps an image's
+placeholder span, copy the overlapping slice of that image's embeddings into the step's rows::
+
+    chunk:      positions 8..15 of a request (step rows r..r+7)
+    image:      placeholders at 10..25 -> embedding rows 0..15
+    overlap:    positions 10..15 -> step rows r+2..r+7 take embedding rows 0..5
+
+Steps without such rows pass ``input_ids`` as usual (so decode steps keep their CUDA graphs); steps with them run
+eagerly with ``inputs_embeds``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagedllm.core.sched_output import SchedulerOutput
+from pagedllm.multimodal.inputs import MultiModalFeature
+
+
+class EncoderRunner:
+    def __init__(self, model: Any, device: torch.device, dtype: torch.dtype) -> None:
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        self.cache: dict[str, torch.Tensor] = {}  # mm_hash -> [num_image_tokens, hidden_size] on the device
+        self.req_features: dict[str, list[MultiModalFeature]] = {}  # running requests that have images
+        self.num_encoded = 0  # images run through the encoder (tests read it)
+
+    def update(self, sched: SchedulerOutput) -> None:
+        """Track the step's requests, free what the scheduler freed, encode what it scheduled."""
+        for req_id in sched.finished_req_ids:
+            self.req_features.pop(req_id, None)
+        for data in sched.scheduled_new_reqs:
+            if data.mm_features:
+                self.req_features[data.req_id] = data.mm_features
+        for mm_hash in sched.free_encoder_mm_hashes:
+            self.cache.pop(mm_hash, None)
+        if sched.scheduled_encoder_inputs:
+            self.encode(
+                [
+                    self.req_features[req_id][i]
+                    for req_id, indices in sched.scheduled_encoder_inputs.items()
+                    for i in indices
+                ]
+            )
+
+    @torch.inference_mode()
+    def encode(self, features: list[MultiModalFeature]) -> None:
+        """Run the vision encoder over ``features`` not yet held, one batch per pixel shape."""
+        by_shape: dict[tuple[int, ...], list[MultiModalFeature]] = {}
+        seen: set[str] = set()
+        for f in features:
+            if f.mm_hash in self.cache or f.mm_hash in seen:
+                continue
+            seen.add(f.mm_hash)
+            by_shape.setdefault(tuple(f.data["pixel_values"].shape), []).append(f)
+        for group in by_shape.values():
+            pixels = torch.from_numpy(np.stack([f.data["pixel_values"] for f in group]))  # [N, 3, H, W]
+            embeds = self.model.embed_multimodal(pixels.to(self.device, self.dtype))  # [N, L, hidden]
+            for f, e in zip(group, embeds):
+                if e.shape[0] != f.length:
+                    raise RuntimeError(f"the encoder made {e.shape[0]} embeddings for an image of {f.length} placeholders")
+                self.cache[f.mm_hash] = e
+            self.num_encoded += len(group)
+
+    def step_spans(
+        self, req_ids: list[str], num_computed: np.ndarray, num_sched: np.ndarray, cu: np.ndarray
+    ) -> list[tuple[int, MultiModalFeature, int, int]]:
+        """``(first step row, feature, first embedding row, rows)`` for every overlap of a scheduled chunk with an
+        image's placeholders (empty: a text-only step). A loop over the step's requests that have images only."""
+        if not self.req_features:
+            return []
+        spans = []
+        index = {req_id: i for i, req_id in enumerate(req_ids)}
+        for req_id, features in self.req_features.items():
+            i = index.get(req_id)
+            if i is None:
+                continue
+            start = int(num_computed[i])
+            end = start + int(num_sched[i])
+            if start >= features[-1].end:
+                continue  # past its last image: decoding
+            for f in features:
+                a, b = max(start, f.offset), min(end, f.end)
+                if a < b:
+                    spans.append((int(cu[i]) + a - start, f, a - f.offset, b - a))
+        return spans
+
+    def inputs_embeds(
+        self, input_ids: torch.Tensor, spans: list[tuple[int, MultiModalFeature, int, int]]
+    ) -> torch.Tensor:
+        """[num_tokens, hidden_size]: the token embeddings of ``input_ids`` ([num_tokens]) with each span's image
+        rows written in. An image missing from the cache is encoded here (the scheduler's plan normally did)."""
+        missing = [f for _, f, _, _ in spans if f.mm_hash not in self.cache]
+        if missing:
+            self.encode(missing)
+        embeds = self.model.embed_input_ids(input_ids)  # [num_tokens, hidden_size]
+        for row, f, first, n in spans:
+            embeds[row : row + n] = self.cache[f.mm_hash][first : first + n]
+        return embeds
