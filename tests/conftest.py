@@ -60,3 +60,11 @@ def admit_while_blocks_last(monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM's admission rule, no decode headroom (``SchedulerConfig.admission_headroom_tokens`` = 0), for engines
     built after it: tests that mean to preempt under a small KV cache."""
     monkeypatch.setenv("PAGEDLLM_ADMISSION_HEADROOM", "0")
+
+
+@pytest.fixture(scope="session")
+def tiny_llava(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny random LLaVA-1.5 checkpoint with its processor (``tests.utils.make_tiny_llava``): 16 tokens an image."""
+    from tests.utils import make_tiny_llava
+
+    return make_tiny_llava(tmp_path_factory.mktemp("tiny_llava") / "llava")

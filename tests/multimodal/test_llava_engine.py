@@ -1,0 +1,113 @@
+"""LLaVA-1.5 through the engine: greedy tokens and logprobs equal transformers' (float32, CPU) with one image,
+several images, chunks that split an image's placeholders, prefix hits on a repeated image, and batches mixing
+text-only and image prompts; the encoder runs once per image and its cache empties."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from tests.utils import hf_llava_greedy_and_logprobs, tiny_image
+
+MAX_NEW = 6
+ENGINE = dict(device="cpu", dtype="float32", block_size=4, max_model_len=128, num_gpu_blocks_override=96, enforce_eager=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=1)
+
+
+def _check_against_hf(path: str, out, prompt: str, images: list) -> None:
+    ids, new, logprobs = hf_llava_greedy_and_logprobs(path, prompt, images, MAX_NEW)
+    assert out.prompt_token_ids == ids
+    comp = out.outputs[0]
+    assert comp.token_ids == new
+    for j, tok in enumerate(new):
+        assert abs(comp.logprobs[j][tok].logprob - logprobs[j][tok].item()) < 1e-4
+
+
+def _mm(prompt: str, images: list) -> dict:
+    return {"prompt": prompt, "multi_modal_data": {"image": images if len(images) != 1 else images[0]}}
+
+
+def _core(llm: LLM):
+    return llm.llm_engine.engine_core
+
+
+def _assert_clean(llm: LLM) -> None:
+    """No KV block or encoder cache entry held once everything finished."""
+    core = _core(llm)
+    core.scheduler.check_integrity()
+    enc = core.scheduler.encoder_cache
+    assert not enc.cached and enc.num_free_slots == enc.cache_size
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llava: str):
+    with LLM(tiny_llava, **ENGINE) as engine:
+        yield engine
+
+
+def test_one_and_several_images_match_transformers(llm: LLM, tiny_llava: str) -> None:
+    cases = [
+        ("hello <image> world the", [tiny_image(1)]),
+        ("<image> the cat <image> and the dog", [tiny_image(2), tiny_image(3, (20, 50))]),
+    ]
+    outs = llm.generate([_mm(p, imgs) for p, imgs in cases], GREEDY, use_tqdm=False)
+    for (prompt, images), out in zip(cases, outs):
+        _check_against_hf(tiny_llava, out, prompt, images)
+    _assert_clean(llm)
+
+
+def test_batch_mixes_text_only_and_image_prompts(llm: LLM, tiny_llava: str) -> None:
+    cases = [
+        ("the quick brown fox", []),
+        ("count the <image> birds", [tiny_image(4)]),
+        ("one two three four five", []),
+        ("<image><image> two images side by side", [tiny_image(5), tiny_image(6)]),
+    ]
+    prompts = [_mm(p, imgs) if imgs else p for p, imgs in cases]
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    for (prompt, images), out in zip(cases, outs):
+        _check_against_hf(tiny_llava, out, prompt, images)
+    _assert_clean(llm)
+
+
+def test_chunks_split_the_image_span(tiny_llava: str) -> None:
+    """8-token steps: the 16 placeholders of each image are computed over two or three chunks, each merging its
+    slice of the image's embeddings (computed once)."""
+    cases = [("hello <image> world the", [tiny_image(1)]), ("a <image> b <image> c", [tiny_image(7), tiny_image(8)])]
+    with LLM(tiny_llava, max_num_batched_tokens=8, **ENGINE) as llm:
+        runner = _core(llm).runner
+        outs = llm.generate([_mm(p, imgs) for p, imgs in cases], GREEDY, use_tqdm=False)
+        assert runner.encoder_runner.num_encoded == 3
+        assert not runner.encoder_runner.cache  # freed once their placeholders were computed
+        _assert_clean(llm)
+    for (prompt, images), out in zip(cases, outs):
+        _check_against_hf(tiny_llava, out, prompt, images)
+
+
+def test_prefix_cache_hits_the_same_image_and_misses_another(llm: LLM, tiny_llava: str) -> None:
+    prompt = "hello <image> world and the rest of the prompt"
+    first = llm.generate(_mm(prompt, [tiny_image(11)]), GREEDY, use_tqdm=False)[0]
+    runner = _core(llm).runner.encoder_runner
+    encoded = runner.num_encoded
+    again = llm.generate(_mm(prompt, [tiny_image(11)]), GREEDY, use_tqdm=False)[0]
+    other = llm.generate(_mm(prompt, [tiny_image(12)]), GREEDY, use_tqdm=False)[0]
+    ids = first.prompt_token_ids
+    image_start = ids.index(llm.get_tokenizer().convert_tokens_to_ids("<image>"))
+    assert ids[image_start : image_start + 16] == [ids[image_start]] * 16
+    assert again.num_cached_tokens == (len(ids) - 1) // 4 * 4  # every full block but the last token's
+    assert again.num_cached_tokens >= image_start + 16
+    assert runner.num_encoded == encoded + 1  # the hit covered the image: only the other image was encoded
+    assert other.num_cached_tokens == image_start // 4 * 4  # the blocks wholly before the image only
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    _check_against_hf(tiny_llava, other, prompt, [tiny_image(12)])
+    _assert_clean(llm)
+
+
+def test_concurrent_requests_share_one_encoding(llm: LLM) -> None:
+    runner = _core(llm).runner.encoder_runner
+    encoded = runner.num_encoded
+    llm.reset_prefix_cache()
+    prompts = [_mm(f"{w} <image> tail", [tiny_image(21)]) for w in ("one", "two", "three")]
+    llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert runner.num_encoded == encoded + 1
+    _assert_clean(llm)
