@@ -45,6 +45,17 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
         help='a pooling model\'s pooling over the checkpoint\'s, as JSON: {"pooling_type": "MEAN", "normalize": false}',
     )
     parser.add_argument(
+        "--limit-mm-per-prompt",
+        type=_json_dict,
+        default=None,
+        help='a multimodal model\'s most images per prompt, as JSON: \'{"image": 4}\' (default 999)',
+    )
+    parser.add_argument(
+        "--allowed-local-media-path",
+        default=None,
+        help="a directory under which file:// image URLs may be read (default: file:// URLs are refused)",
+    )
+    parser.add_argument(
         "--quantization",
         "-q",
         default=None,
@@ -297,6 +308,8 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         kv_offloading_backend=getattr(args, "kv_offloading_backend", None),
         swap_space=getattr(args, "swap_space", None),
         cpu_offload_gb=getattr(args, "cpu_offload_gb", 0),
+        limit_mm_per_prompt=getattr(args, "limit_mm_per_prompt", None),
+        allowed_local_media_path=getattr(args, "allowed_local_media_path", None),
     )
 
 

@@ -244,6 +244,23 @@ class InputProcessor:
         images = [self.media.load_image(img, f"{field}.image[{i}]") for i, img in enumerate(images)]
         return self.mm_processor.process(prompt_token_ids, images, f"{field}.image")
 
+    @property
+    def image_placeholder(self) -> str | None:
+        """The text that marks an image in a prompt (``<image>`` for LLaVA); None for a text-only model."""
+        if self.mm_processor is None:
+            return None
+        return self.tokenizer.convert_ids_to_tokens(self.mm_processor.image_token_id)
+
+    def load_chat_images(self, images: list[ChatImage]) -> list[Any]:
+        """PIL images of ``extract_chat_images``' parts (URLs fetched, data URLs decoded); the image limit is
+        checked before anything is fetched. May block on the network: servers call it off the event loop."""
+        if len(images) > self.max_images_per_prompt:
+            raise ValueError(
+                f"{images[self.max_images_per_prompt].field}: {len(images)} images in the conversation, more "
+                f"than limit_mm_per_prompt allows ({self.max_images_per_prompt})"
+            )
+        return [self.media.load_image(img.source, img.field) for img in images]
+
     def _check_token_ids(self, token_ids: Any) -> list[int]:
         if not isinstance(token_ids, (list, tuple)):
             raise ValueError(f"prompt_token_ids must be a list of ints, got {type(token_ids).__name__}")
@@ -353,10 +370,61 @@ def validate_chat_messages(conversation: Any) -> list[dict[str, Any]]:
     return out
 
 
+@dataclass
+class ChatImage:
+    """An image part of a chat message: where it came from (the request field, for errors) and its source (a URL
+    string or a PIL image)."""
+
+    field: str
+    source: Any
+
+
+def extract_chat_images(
+    conversation: Any, image_placeholder: str | None
+) -> tuple[list[dict[str, Any]], list[ChatImage]]:
+    """Take the image parts out of chat messages: ``{"type": "image_url", "image_url": {"url": ...}}`` (or the
+    URL as a plain string) and ``{"type": "image_pil", "image_pil": PIL.Image}``, as vLLM accepts them. A message
+    with images gets content ``"\n".join(placeholders + [its text])``, one ``image_placeholder`` per image (vLLM's
+    layout for LLaVA-style models); other messages are returned as they are. ``image_placeholder`` None (a
+    text-only model): any image part is a ``ValueError`` naming it."""
+    if not isinstance(conversation, list):
+        return conversation, []
+    images: list[ChatImage] = []
+    out = []
+    for i, message in enumerate(conversation):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list) or not any(
+            isinstance(p, dict) and p.get("type") in ("image_url", "image_pil") for p in content
+        ):
+            out.append(message)
+            continue
+        texts, num_images = [], 0
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in ("image_url", "image_pil"):
+                texts.append(_text_part(part, i, j))
+                continue
+            field = f"messages[{i}].content[{j}].{kind}"
+            if image_placeholder is None:
+                raise ValueError(f"{field}: this model is text-only; it takes no images")
+            source = part.get(kind)
+            if kind == "image_url":
+                source = source.get("url") if isinstance(source, dict) else source
+                if not isinstance(source, str) or not source:
+                    raise ValueError(f"{field}.url must be a non-empty string")
+                field += ".url"
+            elif source is None:
+                raise ValueError(f"{field} must be a PIL image")
+            images.append(ChatImage(field, source))
+            num_images += 1
+        out.append({**message, "content": "\n".join([image_placeholder] * num_images + ["\n".join(texts)])})
+    return out, images
+
+
 def _text_part(part: Any, i: int, j: int) -> str:
     if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
         raise ValueError(
-            f'messages[{i}].content[{j}] must be {{"type": "text", "text": str}} (only text is supported), '
+            f'messages[{i}].content[{j}] must be {{"type": "text", "text": str}} (or an image_url / image_pil part), '
             f"got {part!r:.80}"
         )
     return part["text"]

@@ -12,6 +12,7 @@ import torch
 
 from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from pagedllm.config import make_engine_config
+from pagedllm.engine.input_processor import extract_chat_images
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import (
@@ -291,6 +292,9 @@ class LLM:
         ``tools`` (OpenAI-style function definitions) and ``chat_template_kwargs`` (``enable_thinking``...) reach
         the template, as in vLLM. Calls the model writes stay in the text: the server's ``--tool-call-parser``
         parses them, or ``structured_outputs`` forces a JSON shape.
+
+        A multimodal model also takes image parts: ``{"type": "image_url", "image_url": {"url": ...}}`` (data,
+        http(s) or, under ``allowed_local_media_path``, file URLs) and ``{"type": "image_pil", "image_pil": img}``.
         """
         self._check_running()
         if not isinstance(messages, list) or not messages:
@@ -302,11 +306,15 @@ class LLM:
             kwargs = dict(chat_template_kwargs or {})
             if tools:
                 kwargs["tools"] = tools
+            conv, images = extract_chat_images(conv, ip.image_placeholder)
             text = ip.apply_chat_template(
                 conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt, **kwargs
             )
             ids = self.llm_engine.tokenizer(text, add_special_tokens=False)["input_ids"]
-            prompts.append({"prompt_token_ids": ids, "prompt": text})
+            prompt: dict[str, Any] = {"prompt_token_ids": ids, "prompt": text}
+            if images:
+                prompt["multi_modal_data"] = {"image": ip.load_chat_images(images)}
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     # ------------------------------------------------------------------ rollout-engine hooks (RL frameworks)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -12,6 +13,7 @@ from starlette.responses import JSONResponse, Response
 
 from pagedllm.beam_search import run_beam_search_async
 from pagedllm.engine.async_llm import RequestStream
+from pagedllm.engine.input_processor import extract_chat_images
 from pagedllm.engine.output_processor import RequestTimeline
 from pagedllm.entrypoints.openai.chat_output import ChatOutput
 from pagedllm.entrypoints.openai.constraints import (
@@ -54,6 +56,7 @@ class OpenAIServingChat(OpenAIServing):
         "logprobs": "top_logprobs",
         "prompt": "messages",
         "prompt_token_ids": "messages",
+        "multi_modal_data": "messages",
     }
 
     def render_prompt(
@@ -62,10 +65,20 @@ class OpenAIServingChat(OpenAIServing):
         add_generation_prompt: bool,
         tools: list[dict[str, Any]] | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        images: list[Any] | None = None,
     ) -> tuple[str, list[int]]:
-        """Apply the chat template and tokenize; ValueErrors become 400s naming ``messages``."""
+        """Apply the chat template and tokenize; ValueErrors become 400s naming ``messages``. ``images``: a list
+        that receives the messages' image parts (``extract_chat_images``); None refuses them."""
         conversation = [_template_message(m.model_dump(exclude_none=True)) for m in messages]
         processor = self.engine.input_processor
+        try:
+            conversation, found = extract_chat_images(conversation, processor.image_placeholder)
+        except ValueError as e:
+            raise from_value_error(e, {"messages": "messages"}) from None
+        if found and images is None:
+            raise bad_request(f"{found[0].field}: images are not accepted here", "messages")
+        if images is not None:
+            images.extend(found)
         kwargs = dict(template_kwargs or {})
         if tools:
             kwargs["tools"] = tools
@@ -103,12 +116,21 @@ class OpenAIServingChat(OpenAIServing):
         plan = plan_tools(req, self.enable_auto_tool_choice, self.tool_call_parser)
         structured = structured_outputs_from_request(req)
         check_no_conflict(plan, structured)
+        image_parts: list[Any] = []
         prompt_text, token_ids = self.render_prompt(
             req.messages,
             req.add_generation_prompt is not False,
             tools=plan.tools,
             template_kwargs=req.chat_template_kwargs,
+            images=image_parts,
         )
+        prompt: dict[str, Any] = {"prompt_token_ids": token_ids, "prompt": prompt_text}
+        if image_parts:  # fetched and decoded off the event loop (http URLs may take up to the fetch timeout)
+            try:
+                loaded = await asyncio.to_thread(self.engine.input_processor.load_chat_images, image_parts)
+            except ValueError as e:
+                raise from_value_error(e, {"messages": "messages"}) from None
+            prompt["multi_modal_data"] = {"image": loaded}
         timeline = RequestTimeline(arrival_time, tokenized_time=time.monotonic())
         max_tokens = self._max_tokens(req, len(token_ids))
         streaming = bool(req.stream)
@@ -124,9 +146,7 @@ class OpenAIServingChat(OpenAIServing):
             skip_special_tokens=False if keep_special else None,
         )
         request_id = new_request_id("chatcmpl")
-        stream = self.add_request(
-            request_id, {"prompt_token_ids": token_ids, "prompt": prompt_text}, params, lora_request, timeline
-        )
+        stream = self.add_request(request_id, prompt, params, lora_request, timeline)
         if streaming:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return SSEResponse(
