@@ -251,6 +251,12 @@ class InputProcessor:
             return None
         return self.tokenizer.convert_ids_to_tokens(self.mm_processor.image_token_id)
 
+    def expanded_prompt_len(self, prompt_token_ids: list[int], num_images: int) -> int:
+        """The prompt's length once each of its ``num_images`` one-token image placeholders is expanded."""
+        if not num_images or self.mm_processor is None:
+            return len(prompt_token_ids)
+        return len(prompt_token_ids) + num_images * (self.mm_processor.num_image_tokens - 1)
+
     def load_chat_images(self, images: list[ChatImage]) -> list[Any]:
         """PIL images of ``extract_chat_images``' parts (URLs fetched, data URLs decoded); the image limit is
         checked before anything is fetched. May block on the network: servers call it off the event loop."""

@@ -97,7 +97,9 @@ def decode_image_bytes(data: bytes, field: str) -> Any:
     try:
         image = Image.open(io.BytesIO(data))
         image.load()
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
+    except UnidentifiedImageError:
+        raise ValueError(f"{field}: cannot decode the image: not a format PIL reads (PNG, JPEG, WebP, ...)") from None
+    except (OSError, ValueError, Image.DecompressionBombError) as e:
         raise ValueError(f"{field}: cannot decode the image: {e}") from e
     return _to_rgb(image, field)
 

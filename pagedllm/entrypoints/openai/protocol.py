@@ -167,9 +167,19 @@ class TextContentPart(OpenAIBaseModel):
     text: str
 
 
+class ImageURL(OpenAIBaseModel):
+    url: str  # data:image/...;base64,..., http(s)://..., or file://... (under --allowed-local-media-path)
+    detail: str | None = None  # accepted, not used
+
+
+class ImageURLContentPart(OpenAIBaseModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class ChatMessage(OpenAIBaseModel):
     role: Literal["system", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
+    content: str | list[TextContentPart | ImageURLContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls, sent back with the results

@@ -132,7 +132,8 @@ class OpenAIServingChat(OpenAIServing):
                 raise from_value_error(e, {"messages": "messages"}) from None
             prompt["multi_modal_data"] = {"image": loaded}
         timeline = RequestTimeline(arrival_time, tokenized_time=time.monotonic())
-        max_tokens = self._max_tokens(req, len(token_ids))
+        num_prompt_tokens = self.engine.input_processor.expanded_prompt_len(token_ids, len(image_parts))
+        max_tokens = self._max_tokens(req, num_prompt_tokens)
         streaming = bool(req.stream)
         kind = RequestOutputKind.DELTA if streaming else RequestOutputKind.FINAL_ONLY
         # Parsers that look for special tokens ([TOOL_CALLS], <|python_tag|>) need them in the text.
@@ -147,6 +148,7 @@ class OpenAIServingChat(OpenAIServing):
         )
         request_id = new_request_id("chatcmpl")
         stream = self.add_request(request_id, prompt, params, lora_request, timeline)
+        token_ids = stream.prompt_token_ids  # image placeholders expanded
         if streaming:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return SSEResponse(
