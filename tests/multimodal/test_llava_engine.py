@@ -111,3 +111,33 @@ def test_concurrent_requests_share_one_encoding(llm: LLM) -> None:
     llm.generate(prompts, GREEDY, use_tqdm=False)
     assert runner.num_encoded == encoded + 1
     _assert_clean(llm)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_preemption_and_async_scheduling(tiny_llava: str, admit_while_blocks_last, async_scheduling: bool) -> None:
+    """A cache too small for every request at once: requests are preempted mid-image or after it, recomputed (their
+    images encoded again), and still give transformers' tokens; with async scheduling too."""
+    engine = {**ENGINE, "max_model_len": 48, "num_gpu_blocks_override": 14, "max_num_batched_tokens": 12}
+    cases = [(f"{w} <image> the end of it", [tiny_image(50 + i)]) for i, w in enumerate(("one", "two", "three"))]
+    with LLM(tiny_llava, async_scheduling=async_scheduling, **engine) as llm:
+        outs = llm.generate([_mm(p, imgs) for p, imgs in cases], GREEDY, use_tqdm=False)
+        stats = _core(llm).scheduler.make_stats()
+        _assert_clean(llm)
+        assert not _core(llm).runner.encoder_runner.cache or async_scheduling
+    assert stats.num_preemptions > 0
+    for (prompt, images), out in zip(cases, outs):
+        _check_against_hf(tiny_llava, out, prompt, images)
+
+
+def test_token_id_prompts_with_expanded_or_single_placeholders(llm: LLM, tiny_llava: str) -> None:
+    """A token-id prompt may hold one image token per image (expanded here) or the expanded run HF's processor
+    makes (kept)."""
+    image = tiny_image(60)
+    prompt = "hello <image> world the"
+    ids, new, _ = hf_llava_greedy_and_logprobs(tiny_llava, prompt, [image], MAX_NEW)
+    image_id = llm.get_tokenizer().convert_tokens_to_ids("<image>")
+    single = [t for i, t in enumerate(ids) if t != image_id or ids[i - 1] != image_id]
+    for prompt_ids in (ids, single):
+        out = llm.generate({"prompt_token_ids": prompt_ids, "multi_modal_data": {"image": image}}, GREEDY,
+                           use_tqdm=False)[0]  # fmt: skip
+        assert out.prompt_token_ids == ids and out.outputs[0].token_ids == new
