@@ -157,7 +157,8 @@ class EngineCore:
             return 0
         from pagedllm.multimodal.processing import max_tokens_per_image
 
-        return max(self.config.scheduler_config.max_num_batched_tokens, max_tokens_per_image(mm_config))
+        largest = max_tokens_per_image(mm_config, self.config.model_config.model_path)
+        return max(self.config.scheduler_config.max_num_batched_tokens, largest)
 
     def _make_kv_connectors(self) -> Any:
         """The KV connector's two sides (``kv_transfer_config``): the worker side goes to the runner, the scheduler
@@ -270,6 +271,11 @@ class EngineCore:
         for i, f in enumerate(request.mm_features):
             if f.offset < prev_end or f.end > len(request.prompt_token_ids) or f.length < 1:
                 raise ValueError(f"multi_modal_data: image {i}'s placeholder span is out of order or out of the prompt")
+            if f.length > self.scheduler.encoder_cache.cache_size:
+                raise ValueError(
+                    f"multi_modal_data: image {i} takes {f.length} tokens, more than the encoder cache holds "
+                    f"({self.scheduler.encoder_cache.cache_size}); send a smaller image or raise max_num_batched_tokens"
+                )
             prev_end = f.end
 
     def _structured(self) -> StructuredOutputManager:

@@ -249,12 +249,12 @@ class InputProcessor:
         """The text that marks an image in a prompt (``<image>`` for LLaVA); None for a text-only model."""
         if self.mm_processor is None:
             return None
-        return self.tokenizer.convert_ids_to_tokens(self.mm_processor.image_token_id)
+        return self.mm_processor.placeholder_text(self.tokenizer)
 
     def expanded_prompt_len(self, prompt_token_ids: list[int], num_images: int) -> int:
         """The prompt's length once each of its ``num_images`` one-token image placeholders is expanded."""
-        if not num_images or self.mm_processor is None:
-            return len(prompt_token_ids)
+        if not num_images or self.mm_processor is None or not self.mm_processor.num_image_tokens:
+            return len(prompt_token_ids)  # (Qwen2-VL: known once each image is preprocessed)
         return len(prompt_token_ids) + num_images * (self.mm_processor.num_image_tokens - 1)
 
     def load_chat_images(self, images: list[ChatImage]) -> list[Any]:

@@ -289,6 +289,39 @@ class RotaryEmbedding(nn.Module):
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
 
 
+class MRotaryEmbedding(RotaryEmbedding):
+    """Multimodal RoPE (Qwen2-VL): positions are ``[3, T]`` (temporal, height, width); frequency pair i rotates by
+    the stream its section names (``mrope_section``: pairs per stream, summing to ``rotary_dim // 2``). Text tokens
+    have three equal positions, so ``[T]`` positions (every decode) take the plain path, fused kernels included."""
+
+    def __init__(self, head_dim: int, max_position: int, base: float, mrope_section: list[int]) -> None:
+        super().__init__(head_dim, max_position, base)
+        half = self.rotary_dim // 2
+        if sum(mrope_section) != half or len(mrope_section) != 3:
+            raise ValueError(f"mrope_section {mrope_section} must be 3 numbers summing to rotary_dim / 2 = {half}")
+        stream = torch.repeat_interleave(torch.arange(3), torch.tensor(mrope_section))  # [rotary_dim // 2]
+        self.register_buffer("stream_of_pair", stream, persistent=False)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [T] or [3, T]
+        query: torch.Tensor,  # [T, num_heads, head_dim]
+        key: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        cache: KVCacheWrite | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:
+            return super().forward(positions, query, key, cache)
+        if cache is not None:
+            raise ValueError("MRotaryEmbedding with 3-D positions does not write the KV cache")
+        half = self.rotary_dim // 2
+        table = self.cos_sin_cache[positions]  # [3, T, rotary_dim]
+        index = self.stream_of_pair.view(1, 1, half).expand(1, positions.shape[1], half)  # [1, T, half]
+        cos = table[..., :half].gather(0, index).squeeze(0).unsqueeze(1)  # [T, 1, half]
+        sin = table[..., half:].gather(0, index).squeeze(0).unsqueeze(1)  # [T, 1, half]
+        cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)  # [T, 1, rotary_dim] each
+        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+
+
 def get_rope(
     head_dim: int,
     max_position: int,

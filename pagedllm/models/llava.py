@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -204,6 +205,12 @@ class LlavaForConditionalGeneration(nn.Module):
         if self.select_strategy == "default":
             states = [s[:, 1:] for s in states]
         return self.multi_modal_projector(torch.cat(states, dim=-1))
+
+    def embed_images(self, datas: list[dict[str, Any]]) -> list[torch.Tensor]:
+        """Each image's embeddings [num_image_tokens, hidden_size] from its preprocessed inputs (one batch)."""
+        param = self.multi_modal_projector.linear_1.weight
+        pixels = torch.from_numpy(np.stack([d["pixel_values"] for d in datas])).to(param.device, param.dtype)
+        return list(self.embed_multimodal(pixels))
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden_size]
         return self.language_model.model.embed(input_ids)

@@ -44,17 +44,41 @@ def llava_num_image_tokens(config: Any) -> int:
     return num - 1 if getattr(config, "vision_feature_select_strategy", "default") == "default" else num
 
 
-# architecture -> embeddings per image (a function of the full HF config)
-_NUM_IMAGE_TOKENS = {"LlavaForConditionalGeneration": llava_num_image_tokens}
+def _preprocessor_config(model_path: str | None) -> dict[str, Any]:
+    import json
+    import os
+
+    path = os.path.join(model_path or "", "preprocessor_config.json")
+    if not model_path or not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def qwen2_vl_max_image_tokens(config: Any, model_path: str | None) -> int:
+    """Embeddings of the largest image Qwen2-VL's processor makes: ``max_pixels`` (``size.longest_edge``) over the
+    area one embedding covers (a ``merge x merge`` block of ``patch x patch`` patches)."""
+    vision = _sub(config, "vision_config")
+    pre = _preprocessor_config(model_path)
+    max_pixels = pre.get("max_pixels") or (pre.get("size") or {}).get("longest_edge") or 12845056
+    side = int(vision.patch_size) * int(vision.spatial_merge_size)
+    return max(1, int(max_pixels) // (side * side))
+
+
+# architecture -> the most embeddings one image takes (sizes the encoder cache)
+_MAX_IMAGE_TOKENS = {
+    "LlavaForConditionalGeneration": lambda config, model_path: llava_num_image_tokens(config),
+    "Qwen2VLForConditionalGeneration": qwen2_vl_max_image_tokens,
+}
 
 
 def is_multimodal_architecture(architecture: str) -> bool:
-    return architecture in _NUM_IMAGE_TOKENS
+    return architecture in _MAX_IMAGE_TOKENS
 
 
-def max_tokens_per_image(config: Any) -> int:
+def max_tokens_per_image(config: Any, model_path: str | None = None) -> int:
     """The most placeholder tokens (encoder embeddings) one image takes: sizes the encoder cache."""
-    return _NUM_IMAGE_TOKENS[config.architectures[0]](config)
+    return _MAX_IMAGE_TOKENS[config.architectures[0]](config, model_path)
 
 
 class MultiModalProcessor:
@@ -63,9 +87,16 @@ class MultiModalProcessor:
     def __init__(self, model_path: str, hf_config: Any, trust_remote_code: bool = False) -> None:
         self.architecture = hf_config.architectures[0]
         self.image_token_id = image_token_id_of(hf_config)
-        self.num_image_tokens = _NUM_IMAGE_TOKENS[self.architecture](hf_config)
         vision = _sub(hf_config, "vision_config")
-        self.image_size = int(vision.image_size)
+        self.is_qwen2_vl = self.architecture == "Qwen2VLForConditionalGeneration"
+        if self.is_qwen2_vl:  # dynamic resolution: an image's tokens follow its size
+            self.merge_size = int(vision.spatial_merge_size)
+            self.vision_start_token_id = int(hf_config.vision_start_token_id)
+            self.vision_end_token_id = int(hf_config.vision_end_token_id)
+            self.num_image_tokens = 0  # per image
+        else:
+            self.num_image_tokens = llava_num_image_tokens(hf_config)
+            self.image_size = int(vision.image_size)
         self._model_path = model_path
         self._trust_remote_code = trust_remote_code
         self._image_processor: Any = None
@@ -81,51 +112,81 @@ class MultiModalProcessor:
             )
         return self._image_processor
 
-    def preprocess(self, images: Sequence[Any], field: str) -> np.ndarray:
-        """``[num_images, 3, H, W]`` float32 pixel values."""
+    def placeholder_text(self, tokenizer: Any) -> str:
+        """What marks one image in a chat prompt: the image token, wrapped in Qwen2-VL's vision start / end."""
+        if self.is_qwen2_vl:
+            return "".join(
+                tokenizer.convert_ids_to_tokens(
+                    [self.vision_start_token_id, self.image_token_id, self.vision_end_token_id]
+                )
+            )
+        return tokenizer.convert_ids_to_tokens(self.image_token_id)
+
+    def preprocess(self, images: Sequence[Any], field: str) -> list[dict[str, np.ndarray]]:
+        """Each image's encoder inputs: ``{"pixel_values": [3, H, W]}`` (LLaVA), or Qwen2-VL's flattened patches
+        ``{"pixel_values": [t * h * w, C * T * P * P], "image_grid_thw": [3]}``."""
         try:
             out = self.image_processor(images=list(images), return_tensors="np")
         except Exception as e:  # noqa: BLE001 - a processor failure is the input's fault here
             raise ValueError(f"{field}: the image processor failed: {e}") from e
         pixels = np.asarray(out["pixel_values"], dtype=np.float32)
+        if self.is_qwen2_vl:
+            grids = np.asarray(out["image_grid_thw"], dtype=np.int64)  # [num_images, 3]
+            sizes = grids.prod(axis=1)
+            starts = np.concatenate([[0], np.cumsum(sizes)])
+            return [
+                {"pixel_values": pixels[starts[i] : starts[i + 1]], "image_grid_thw": grids[i]}
+                for i in range(len(grids))
+            ]
         if pixels.ndim != 4 or pixels.shape[-2:] != (self.image_size, self.image_size):
             raise ValueError(
                 f"{field}: the image processor returned pixel values of shape {tuple(pixels.shape)}; the vision "
                 f"tower takes {self.image_size}x{self.image_size}"
             )
-        return pixels
+        return [{"pixel_values": p} for p in pixels]
+
+    def num_tokens(self, data: dict[str, np.ndarray]) -> int:
+        """Embeddings the encoder makes for one preprocessed image."""
+        if self.is_qwen2_vl:
+            return int(np.prod(data["image_grid_thw"])) // (self.merge_size**2)
+        return self.num_image_tokens
 
     def process(
         self, prompt_token_ids: list[int], images: Sequence[Any], field: str = "multi_modal_data.image"
     ) -> tuple[list[int], list[MultiModalFeature]]:
         """Expand each image's placeholder in ``prompt_token_ids``; ``ValueError`` naming ``field`` when the prompt's
         placeholders do not match the images."""
-        n = self.num_image_tokens
-        # Each placeholder: (start, 1) to expand, or (start, n) already expanded. A run of k * n marks is k expanded
-        # images; any other run is that many single marks (adjacent images without text between them).
+        datas = self.preprocess(images, field) if images else []
+        sizes = [self.num_tokens(d) for d in datas]
+        # Each placeholder: (start, 1) to expand, or (start, n) already expanded (n: the next image's tokens). Within a
+        # run of image tokens, an image takes n when at least n are left (and n > 1), else one (adjacent images
+        # without text between them).
         marks: list[tuple[int, int]] = []
         for start, length in _runs(prompt_token_ids, self.image_token_id):
-            step = n if n > 1 and length % n == 0 else 1
-            marks.extend((start + j, step) for j in range(0, length, step))
+            j = 0
+            while j < length:
+                n = sizes[len(marks)] if len(marks) < len(sizes) else 1
+                step = n if 1 < n <= length - j else 1
+                marks.append((start + j, step))
+                j += step
         if len(marks) != len(images):
             raise ValueError(
                 f"{field}: the prompt has {len(marks)} image placeholder(s) but {len(images)} image(s) were given; "
                 "put the model's image token (e.g. <image>) in the prompt once per image"
             )
-        pixels = self.preprocess(images, field) if images else None
         ids: list[int] = []
         features: list[MultiModalFeature] = []
         prev = 0
         for i, (start, length) in enumerate(marks):
             ids.extend(prompt_token_ids[prev:start])
-            pv = pixels[i]
+            n = sizes[i]
             features.append(
                 MultiModalFeature(
                     modality="image",
-                    mm_hash=_hash_pixels(self.architecture, pv),
+                    mm_hash=_hash_data(self.architecture, datas[i]),
                     offset=len(ids),
                     length=n,
-                    data={"pixel_values": pv},
+                    data=datas[i],
                 )
             )
             ids.extend([self.image_token_id] * n)
@@ -150,11 +211,39 @@ def _runs(token_ids: list[int], token_id: int) -> list[tuple[int, int]]:
     return runs
 
 
-def _hash_pixels(architecture: str, pixel_values: np.ndarray) -> str:
-    """128-bit content hash of the preprocessed image (what the encoder sees): keys the encoder cache and the
-    prefix-cache blocks over the image's placeholders."""
+def _hash_data(architecture: str, data: dict[str, np.ndarray]) -> str:
+    """128-bit content hash of the preprocessed image (what the encoder sees: pixels, and the grid where there is
+    one): keys the encoder cache and the prefix-cache blocks over the image's placeholders."""
     h = hashlib.blake2b(digest_size=16)
     h.update(architecture.encode())
-    h.update(repr((pixel_values.dtype.str, pixel_values.shape)).encode())
-    h.update(np.ascontiguousarray(pixel_values).tobytes())
+    for key in sorted(data):
+        value = np.ascontiguousarray(data[key])
+        h.update(repr((key, value.dtype.str, value.shape)).encode())
+        h.update(value.tobytes())
     return h.hexdigest()
+
+
+def mrope_positions(
+    num_prompt_tokens: int, features: Sequence[MultiModalFeature], merge_size: int
+) -> tuple[np.ndarray, int]:
+    """Qwen2-VL's 3-D positions (temporal, height, width) of a prompt, as transformers' ``get_rope_index``: text
+    tokens count on from the last position on all three streams; an image's tokens take its grid coordinates
+    (t, h / merge, w / merge) offset by the position it starts at, and the text after it starts at that position
+    plus ``max(h, w) / merge``. Returns ``([3, num_prompt_tokens] int64, delta)``: a generated token at position
+    p (p >= num_prompt_tokens) takes p + delta on all three streams."""
+    out = np.empty((3, num_prompt_tokens), dtype=np.int64)
+    pos = 0  # next text position
+    prev = 0  # prompt index after the last image
+    for f in features:
+        n_text = f.offset - prev
+        out[:, prev : f.offset] = np.arange(pos, pos + n_text)
+        pos += n_text
+        t, h, w = (int(x) for x in f.data["image_grid_thw"])
+        h, w = h // merge_size, w // merge_size
+        tt, hh, ww = np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")
+        out[:, f.offset : f.end] = np.stack([tt.ravel(), hh.ravel(), ww.ravel()]) + pos
+        pos += max(h, w)
+        prev = f.end
+    out[:, prev:] = np.arange(pos, pos + num_prompt_tokens - prev)
+    delta = int(out.max()) + 1 - num_prompt_tokens if num_prompt_tokens else 0
+    return out, delta

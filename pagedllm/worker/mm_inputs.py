@@ -54,22 +54,20 @@ class EncoderRunner:
 
     @torch.inference_mode()
     def encode(self, features: list[MultiModalFeature]) -> None:
-        """Run the vision encoder over ``features`` not yet held, one batch per pixel shape."""
-        by_shape: dict[tuple[int, ...], list[MultiModalFeature]] = {}
-        seen: set[str] = set()
+        """Run the vision encoder over ``features`` not yet held (one call; the model batches them)."""
+        todo: dict[str, MultiModalFeature] = {}
         for f in features:
-            if f.mm_hash in self.cache or f.mm_hash in seen:
-                continue
-            seen.add(f.mm_hash)
-            by_shape.setdefault(tuple(f.data["pixel_values"].shape), []).append(f)
-        for group in by_shape.values():
-            pixels = torch.from_numpy(np.stack([f.data["pixel_values"] for f in group]))  # [N, 3, H, W]
-            embeds = self.model.embed_multimodal(pixels.to(self.device, self.dtype))  # [N, L, hidden]
-            for f, e in zip(group, embeds):
-                if e.shape[0] != f.length:
-                    raise RuntimeError(f"the encoder made {e.shape[0]} embeddings for an image of {f.length} placeholders")
-                self.cache[f.mm_hash] = e
-            self.num_encoded += len(group)
+            if f.mm_hash not in self.cache:
+                todo.setdefault(f.mm_hash, f)
+        if not todo:
+            return
+        group = list(todo.values())
+        embeds = self.model.embed_images([f.data for f in group])  # each [num_tokens, hidden_size]
+        for f, e in zip(group, embeds):
+            if e.shape[0] != f.length:
+                raise RuntimeError(f"the encoder made {e.shape[0]} embeddings for an image of {f.length} placeholders")
+            self.cache[f.mm_hash] = e
+        self.num_encoded += len(group)
 
     def step_spans(
         self, req_ids: list[str], num_computed: np.ndarray, num_sched: np.ndarray, cu: np.ndarray

@@ -98,8 +98,9 @@ _CHAT_BAD = [
     (b'{"messages": [{"role": "wizard", "content": "hi"}]}', "messages[0].role"),
     (b'{"messages": [{"role": "user", "content": 5}]}', "messages[0].content"),
     (
+        # an image sent to a text-only model
         b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}',
-        "messages[0].content",
+        "messages[0].content[0].image_url",
     ),
     (b'{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}', "top_logprobs"),
     (
