@@ -68,3 +68,11 @@ def tiny_llava(tmp_path_factory: pytest.TempPathFactory) -> str:
     from tests.utils import make_tiny_llava
 
     return make_tiny_llava(tmp_path_factory.mktemp("tiny_llava") / "llava")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_vl(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny random Qwen2-VL checkpoint with its image processor (``tests.utils.make_tiny_qwen2_vl``)."""
+    from tests.utils import make_tiny_qwen2_vl
+
+    return make_tiny_qwen2_vl(tmp_path_factory.mktemp("tiny_qwen2_vl") / "qwen2_vl")

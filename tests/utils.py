@@ -443,6 +443,14 @@ def make_tiny_llava(path: str | Path, *, feature_layer: int | list[int] = -2, st
     return str(path)
 
 
+@functools.lru_cache(maxsize=2)
+def _load_hf_vlm(cls, path: str):
+    """A transformers vision-language model in float32, loaded once per checkpoint (the oracles only read it)."""
+    model = cls.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
 def tiny_image(seed: int, size: tuple[int, int] = (40, 30)):
     """A seeded random RGB PIL image (``size`` = width, height)."""
     import numpy as np
@@ -459,8 +467,7 @@ def hf_llava_greedy_and_logprobs(path: str | Path, prompt: str, images: list, ma
     from transformers import AutoProcessor, GenerationConfig, LlavaForConditionalGeneration
 
     processor = AutoProcessor.from_pretrained(str(path))
-    model = LlavaForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
+    model = _load_hf_vlm(LlavaForConditionalGeneration, str(path))
     inputs = processor(text=prompt, images=images or None, return_tensors="pt")
     gen_config = GenerationConfig(
         max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
@@ -471,3 +478,86 @@ def hf_llava_greedy_and_logprobs(path: str | Path, prompt: str, images: list, ma
     new_ids = out.sequences[0, len(prompt_ids) :].tolist()
     logprobs = torch.stack([torch.log_softmax(s[0].float(), -1) for s in out.scores])
     return prompt_ids, new_ids, logprobs
+
+
+QWEN2_VL_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def make_tiny_qwen2_vl(path: str | Path) -> str:
+    """Save a tiny random Qwen2-VL checkpoint (ViT of width 32 over 4x4 patches, 2x2 merge; the tiny Qwen2-style
+    text model with mrope_section [2, 3, 3]), its tokenizer (Qwen2-VL's vision tokens added) and image processor
+    (``Qwen2VLImageProcessorPil``, 256..4096 pixels: a 40x30 image takes 20 tokens) to ``path``."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    tokenizer = train_tiny_tokenizer()
+    specials = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": specials})
+    start, pad, end, video = tokenizer.convert_tokens_to_ids(specials)
+    text_config = dict(
+        vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, max_position_embeddings=512, rms_norm_eps=1e-6, hidden_act="silu",
+        tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+    )  # fmt: skip
+    vision_config = dict(
+        depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, patch_size=4, spatial_merge_size=2,
+        temporal_patch_size=2, in_channels=3,
+    )  # fmt: skip
+    config = Qwen2VLConfig(
+        text_config=text_config, vision_config=vision_config, image_token_id=pad, video_token_id=video,
+        vision_start_token_id=start, vision_end_token_id=end, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(9)
+    model = Qwen2VLForConditionalGeneration(config)
+    gen = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            offset, std = _default_weight(name)
+            param.copy_(offset + std * torch.randn(param.shape, generator=gen))
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    Qwen2VLImageProcessorPil(
+        min_pixels=256, max_pixels=4096, patch_size=4, merge_size=2, temporal_patch_size=2
+    ).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@torch.inference_mode()
+def hf_qwen2_vl_greedy_and_logprobs(path: str | Path, prompt: str, images: list, max_new_tokens: int):
+    """transformers' Qwen2-VL, float32, as ``hf_llava_greedy_and_logprobs`` (its processor needs torchvision for
+    videos, so the prompt's image pads are expanded here: t * h * w / 4 each)."""
+    from transformers import (
+        AutoImageProcessor,
+        AutoTokenizer,
+        GenerationConfig,
+        Qwen2VLForConditionalGeneration,
+    )
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    model = _load_hf_vlm(Qwen2VLForConditionalGeneration, str(path))
+    pad = model.config.image_token_id
+    ids = tokenizer(prompt)["input_ids"]
+    kwargs = {}
+    if images:
+        pixels = AutoImageProcessor.from_pretrained(str(path))(images=images, return_tensors="pt")
+        counts = iter((pixels["image_grid_thw"].prod(-1) // 4).tolist())
+        ids = [t for tok in ids for t in ([pad] * next(counts) if tok == pad else [tok])]
+        kwargs = dict(pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"])
+    input_ids = torch.tensor([ids])
+    kwargs["mm_token_type_ids"] = (input_ids == pad).int()
+    gen_config = GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
+        output_scores=True, return_dict_in_generate=True,
+    )  # fmt: skip
+    out = model.generate(
+        input_ids=input_ids, attention_mask=torch.ones_like(input_ids), generation_config=gen_config, **kwargs
+    )
+    new_ids = out.sequences[0, len(ids) :].tolist()
+    logprobs = torch.stack([torch.log_softmax(s[0].float(), -1) for s in out.scores])
+    return ids, new_ids, logprobs

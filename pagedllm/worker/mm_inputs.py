@@ -23,6 +23,7 @@ import torch
 
 from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.multimodal.inputs import MultiModalFeature
+from pagedllm.multimodal.processing import mrope_positions
 
 
 class EncoderRunner:
@@ -33,14 +34,23 @@ class EncoderRunner:
         self.cache: dict[str, torch.Tensor] = {}  # mm_hash -> [num_image_tokens, hidden_size] on the device
         self.req_features: dict[str, list[MultiModalFeature]] = {}  # running requests that have images
         self.num_encoded = 0  # images run through the encoder (tests read it)
+        # M-RoPE models (Qwen2-VL): each running request with images -> ([3, num_prompt_tokens] positions, delta)
+        self.uses_mrope = bool(getattr(model, "uses_mrope", False))
+        self.merge_size = int(getattr(model, "spatial_merge_size", 1))
+        self.mrope: dict[str, tuple[np.ndarray, int]] = {}
 
     def update(self, sched: SchedulerOutput) -> None:
         """Track the step's requests, free what the scheduler freed, encode what it scheduled."""
         for req_id in sched.finished_req_ids:
             self.req_features.pop(req_id, None)
+            self.mrope.pop(req_id, None)
         for data in sched.scheduled_new_reqs:
             if data.mm_features:
                 self.req_features[data.req_id] = data.mm_features
+                if self.uses_mrope:
+                    self.mrope[data.req_id] = mrope_positions(
+                        data.num_prompt_tokens, data.mm_features, self.merge_size
+                    )
         for mm_hash in sched.free_encoder_mm_hashes:
             self.cache.pop(mm_hash, None)
         if sched.scheduled_encoder_inputs:
@@ -68,6 +78,37 @@ class EncoderRunner:
                 raise RuntimeError(f"the encoder made {e.shape[0]} embeddings for an image of {f.length} placeholders")
             self.cache[f.mm_hash] = e
         self.num_encoded += len(group)
+
+    def rope_positions(
+        self, req_ids: list[str], cu: np.ndarray, positions: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """M-RoPE: the step's positions for the model. A request with images reads its prompt positions from its
+        3-D table and later ones as p + delta (all three streams equal). Returns ``(positions [T], positions_3d
+        [3, T] or None)``: the 3-D array when some token is a prompt token of such a request (that step runs
+        eagerly), else the plain positions shifted (decode steps keep their CUDA graphs)."""
+        if not self.mrope:
+            return positions, None
+        index = {req_id: i for i, req_id in enumerate(req_ids)}
+        spans = []  # (first row, end row, table, delta) of the step's requests with images
+        for req_id, (table, delta) in self.mrope.items():
+            i = index.get(req_id)
+            if i is not None:
+                spans.append((int(cu[i]), int(cu[i + 1]), table, delta))
+        if not spans:
+            return positions, None
+        out = positions.copy()
+        in_prompt_any = False
+        for a, b, table, delta in spans:
+            out[a:b] += delta
+            in_prompt_any = in_prompt_any or positions[a] < table.shape[1]  # rows of a request only grow
+        if not in_prompt_any:
+            return out, None
+        out3 = np.broadcast_to(out, (3, len(out))).copy()  # [3, T] text: three equal streams
+        for a, b, table, _ in spans:
+            p = positions[a:b]
+            in_prompt = p < table.shape[1]
+            out3[:, a:b][:, in_prompt] = table[:, p[in_prompt]]
+        return out, out3
 
     def step_spans(
         self, req_ids: list[str], num_computed: np.ndarray, num_sched: np.ndarray, cu: np.ndarray

@@ -611,6 +611,9 @@ class ModelRunner:
             input_ids = batch.token_ids_np[token_rows, positions]  # [num_tokens], drafts included
         if self.longrope is not None:  # from here on, positions are rows of the model's rotary table
             positions = longrope_positions(positions, batch.num_tokens_np[token_rows], *self.longrope)
+        mrope_3d = None  # [3, num_tokens] M-RoPE positions (Qwen2-VL) for steps with image-prompt tokens
+        if self.encoder_runner is not None and self.encoder_runner.uses_mrope:
+            positions, mrope_3d = self.encoder_runner.rope_positions(req_ids, cu, positions)
 
         dev = self.device
         # Placeholders: a request's pending token is the first token it computes this step.
@@ -633,8 +636,9 @@ class ModelRunner:
             if self.encoder_runner is not None
             else None
         )
+        eager_mm = bool(mm_spans) or mrope_3d is not None
         if (
-            not mm_spans
+            not eager_mm
             and self.graph_runner is not None
             and self.graph_runner.can_run(n, num_tokens, max_query_len)
         ):
@@ -642,7 +646,7 @@ class ModelRunner:
                 input_ids, positions, slot_mapping, seq_lens, block_table, input_patch, cu
             )
         else:
-            size = None if self.piecewise is None or mm_spans else self.piecewise.padded_size(num_tokens)
+            size = None if self.piecewise is None or eager_mm else self.piecewise.padded_size(num_tokens)
             qsl_cpu = torch.from_numpy(cu.astype(np.int32))
             seq_lens_cpu = torch.from_numpy(seq_lens)
             tables = torch.from_numpy(np.ascontiguousarray(block_table)).to(dev, non_blocking=True)
@@ -672,8 +676,11 @@ class ModelRunner:
                 input_ids_dev[dst] = values[src]
             if size is not None:
                 hidden = self.piecewise.replay(size, meta)[:num_tokens]
-            elif mm_spans:
-                embeds = self.encoder_runner.inputs_embeds(input_ids_dev, mm_spans)  # [num_tokens, hidden_size]
+            elif eager_mm:
+                # [num_tokens, hidden_size] with image rows, or None (text tokens of an M-RoPE prompt)
+                embeds = self.encoder_runner.inputs_embeds(input_ids_dev, mm_spans) if mm_spans else None
+                if mrope_3d is not None:
+                    positions_dev = torch.from_numpy(mrope_3d).to(dev, non_blocking=True)  # [3, num_tokens]
                 hidden = self.model(input_ids_dev, positions_dev, self.kv_caches, meta, inputs_embeds=embeds)
             else:
                 # [num_tokens, hidden_size], or (that, aux hidden states) for an EAGLE-3 draft; None on a pipeline
