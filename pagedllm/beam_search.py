@@ -383,6 +383,8 @@ def _prompt_token_ids(ip: InputProcessor, prompt: PromptType) -> list[int]:
     if isinstance(prompt, str):
         return ip.tokenize(prompt)
     if isinstance(prompt, Mapping):
+        if prompt.get("multi_modal_data") is not None:
+            raise ValueError("multi_modal_data: beam search with images is not supported yet")
         if prompt.get("prompt_token_ids") is not None:
             return [int(t) for t in prompt["prompt_token_ids"]]
         if isinstance(prompt.get("prompt"), str):

@@ -154,6 +154,13 @@ def test_bad_prompts_are_value_errors(llm: LLM, image_server: str) -> None:
     _assert_clean(llm)
 
 
+def test_beam_search_refuses_images(llm: LLM) -> None:
+    from pagedllm.beam_search import BeamSearchParams
+
+    with pytest.raises(ValueError, match="^multi_modal_data: beam search"):
+        llm.beam_search([{"prompt": "<image>", "multi_modal_data": {"image": tiny_image(1)}}], BeamSearchParams(beam_width=2, max_tokens=3))
+
+
 def test_fetch_size_cap(image_server: str) -> None:
     small = MediaConnector(max_bytes=1000)
     with pytest.raises(ValueError, match=r"^f: the image is larger than the 1000-byte limit"):
