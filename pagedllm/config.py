@@ -244,7 +244,7 @@ class ModelConfig:
 
     @property
     def is_multimodal(self) -> bool:
-        return self.mm_hf_config is not None
+        return getattr(self, "mm_hf_config", None) is not None  # (configs pickled before the field: None)
 
     @property
     def num_layers(self) -> int:

@@ -152,7 +152,7 @@ class EngineCore:
     def _encoder_cache_size(self) -> int:
         """A multimodal model's encoder cache and per-step encoder budget, in embedding rows: the step's token
         budget, and never less than one image (vLLM's rule); 0 for a text-only model."""
-        mm_config = self.config.model_config.mm_hf_config
+        mm_config = getattr(self.config.model_config, "mm_hf_config", None)
         if mm_config is None:
             return 0
         from pagedllm.multimodal.processing import max_tokens_per_image
