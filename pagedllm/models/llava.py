@@ -24,7 +24,7 @@ from torch import nn
 
 from pagedllm.attention.base import AttentionBackend, AttentionMetadata
 from pagedllm.models.llama import LlamaForCausalLM
-from pagedllm.multimodal.processing import _sub
+from pagedllm.multimodal.processing import sub_config
 
 
 def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -41,7 +41,7 @@ _ACTS = {
 }
 
 
-def _act(name: str):
+def vision_activation(name: str):
     if name not in _ACTS:
         raise ValueError(f"unsupported activation {name!r} in the vision tower / projector; supported: {sorted(_ACTS)}")
     return _ACTS[name]
@@ -98,7 +98,7 @@ class CLIPMLP(nn.Module):
         super().__init__()
         self.fc1 = nn.Linear(int(config.hidden_size), int(config.intermediate_size))
         self.fc2 = nn.Linear(int(config.intermediate_size), int(config.hidden_size))
-        self.act = _act(getattr(config, "hidden_act", "quick_gelu"))
+        self.act = vision_activation(getattr(config, "hidden_act", "quick_gelu"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))
@@ -152,7 +152,7 @@ class LlavaMultiModalProjector(nn.Module):
         super().__init__()
         bias = bool(getattr(config, "multimodal_projector_bias", True))
         self.linear_1 = nn.Linear(vision_dim, text_dim, bias=bias)
-        self.act = _act(getattr(config, "projector_hidden_act", "gelu"))
+        self.act = vision_activation(getattr(config, "projector_hidden_act", "gelu"))
         self.linear_2 = nn.Linear(text_dim, text_dim, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -168,8 +168,8 @@ class LlavaForConditionalGeneration(nn.Module):
         if tp is not None or pp is not None:
             raise ValueError("LlavaForConditionalGeneration: tensor / pipeline parallelism is not supported yet")
         self.config = config
-        vision_config = _sub(config, "vision_config")
-        text_config = _sub(config, "text_config")
+        vision_config = sub_config(config, "vision_config")
+        text_config = sub_config(config, "text_config")
         layer = getattr(config, "vision_feature_layer", -2)
         self.feature_layers = [int(layer)] if isinstance(layer, int) else [int(i) for i in layer]
         self.select_strategy = getattr(config, "vision_feature_select_strategy", "default")

@@ -25,8 +25,8 @@ from torch import nn
 from pagedllm.attention.base import AttentionBackend, AttentionMetadata
 from pagedllm.layers.rotary import MRotaryEmbedding, RotaryEmbedding, rope_config
 from pagedllm.models.llama import LlamaForCausalLM, LlamaModel, Qwen2Attention, head_dim_of
-from pagedllm.models.llava import _act
-from pagedllm.multimodal.processing import _sub
+from pagedllm.models.llava import vision_activation
+from pagedllm.multimodal.processing import sub_config
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -67,7 +67,7 @@ class VisionMlp(nn.Module):
     def __init__(self, dim: int, hidden_dim: int, act: str) -> None:
         super().__init__()
         self.fc1 = nn.Linear(dim, hidden_dim)
-        self.act = _act(act)
+        self.act = vision_activation(act)
         self.fc2 = nn.Linear(hidden_dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -180,8 +180,8 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         if tp is not None or pp is not None:
             raise ValueError("Qwen2VLForConditionalGeneration: tensor / pipeline parallelism is not supported yet")
         self.config = config
-        vision_config = _sub(config, "vision_config")
-        text_config = _sub(config, "text_config")
+        vision_config = sub_config(config, "vision_config")
+        text_config = sub_config(config, "text_config")
         self.spatial_merge_size = int(vision_config.spatial_merge_size)
         self.visual = Qwen2VisionTransformer(vision_config)
         self.language_model = Qwen2VLTextForCausalLM(text_config, attn_backend)

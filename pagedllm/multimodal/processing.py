@@ -17,7 +17,7 @@ import numpy as np
 from pagedllm.multimodal.inputs import MultiModalFeature
 
 
-def _sub(config: Any, name: str) -> Any:
+def sub_config(config: Any, name: str) -> Any:
     """A nested config as an object with attributes (a ``PlainHFConfig`` keeps nested configs as dicts)."""
     value = getattr(config, name)
     if isinstance(value, dict):
@@ -39,7 +39,7 @@ def image_token_id_of(config: Any) -> int:
 def llava_num_image_tokens(config: Any) -> int:
     """Embeddings LLaVA-1.5 makes per image: one per patch of the CLIP tower's square input, plus the CLS
     position unless ``vision_feature_select_strategy`` is "default" (which drops it)."""
-    vision = _sub(config, "vision_config")
+    vision = sub_config(config, "vision_config")
     num = (int(vision.image_size) // int(vision.patch_size)) ** 2 + 1
     return num - 1 if getattr(config, "vision_feature_select_strategy", "default") == "default" else num
 
@@ -58,7 +58,7 @@ def _preprocessor_config(model_path: str | None) -> dict[str, Any]:
 def qwen2_vl_max_image_tokens(config: Any, model_path: str | None) -> int:
     """Embeddings of the largest image Qwen2-VL's processor makes: ``max_pixels`` (``size.longest_edge``) over the
     area one embedding covers (a ``merge x merge`` block of ``patch x patch`` patches)."""
-    vision = _sub(config, "vision_config")
+    vision = sub_config(config, "vision_config")
     pre = _preprocessor_config(model_path)
     max_pixels = pre.get("max_pixels") or (pre.get("size") or {}).get("longest_edge") or 12845056
     side = int(vision.patch_size) * int(vision.spatial_merge_size)
@@ -87,7 +87,7 @@ class MultiModalProcessor:
     def __init__(self, model_path: str, hf_config: Any, trust_remote_code: bool = False) -> None:
         self.architecture = hf_config.architectures[0]
         self.image_token_id = image_token_id_of(hf_config)
-        vision = _sub(hf_config, "vision_config")
+        vision = sub_config(hf_config, "vision_config")
         self.is_qwen2_vl = self.architecture == "Qwen2VLForConditionalGeneration"
         if self.is_qwen2_vl:  # dynamic resolution: an image's tokens follow its size
             self.merge_size = int(vision.spatial_merge_size)
