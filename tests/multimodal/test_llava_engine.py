@@ -141,3 +141,44 @@ def test_token_id_prompts_with_expanded_or_single_placeholders(llm: LLM, tiny_ll
         out = llm.generate({"prompt_token_ids": prompt_ids, "multi_modal_data": {"image": image}}, GREEDY,
                            use_tqdm=False)[0]  # fmt: skip
         assert out.prompt_token_ids == ids and out.outputs[0].token_ids == new
+
+
+def _resave_with_names(src: str, dst, rename) -> str:
+    """Copy checkpoint ``src`` to ``dst`` with every tensor renamed by ``rename``."""
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    src, dst = Path(src), Path(dst)
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors"))
+    save_file({rename(k): v for k, v in load_file(src / "model.safetensors").items()}, dst / "model.safetensors")
+    return str(dst)
+
+
+@pytest.mark.parametrize(
+    "renames",
+    [
+        # transformers 5's module names
+        (("vision_tower.", "model.vision_tower."), ("multi_modal_projector.", "model.multi_modal_projector."),
+         ("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head.")),
+        # llava-hf checkpoints: the CLIP tower under vision_model
+        (("vision_tower.", "vision_tower.vision_model."),),
+    ],
+)  # fmt: skip
+def test_other_checkpoint_names_load(llm: LLM, tiny_llava: str, tmp_path, renames) -> None:
+    """transformers saves the tiny model with names of its own; the other spellings of LLaVA checkpoints load
+    into the same model."""
+
+    def rename(name: str) -> str:
+        for old, new in renames:
+            if name.startswith(old):
+                return new + name[len(old) :]
+        return name
+
+    path = _resave_with_names(tiny_llava, tmp_path / "renamed", rename)
+    prompt = _mm("hello <image> world the", [tiny_image(1)])
+    with LLM(path, **ENGINE) as other:
+        assert other.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == (
+            llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        )

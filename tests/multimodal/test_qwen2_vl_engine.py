@@ -76,3 +76,22 @@ def test_prefix_hit_and_chat(tiny_qwen2_vl: str) -> None:
         assert chat.outputs[0].token_ids == direct.outputs[0].token_ids
         _assert_clean(llm)
     _check(tiny_qwen2_vl, first, prompt, images)
+
+
+def test_transformers5_checkpoint_names_load(tiny_qwen2_vl: str, tmp_path) -> None:
+    """transformers saves Qwen's original names (visual.*, model.*, lm_head.*); its module names
+    (model.visual.*, model.language_model.*) load into the same model too."""
+    from tests.multimodal.test_llava_engine import _resave_with_names
+
+    def rename(name: str) -> str:
+        if name.startswith("visual."):
+            return "model." + name
+        if name.startswith("model."):
+            return "model.language_model." + name[len("model.") :]
+        return name
+
+    path = _resave_with_names(tiny_qwen2_vl, tmp_path / "renamed", rename)
+    prompt, images = CASES[0]
+    with LLM(path, **ENGINE) as other:
+        out = other.generate(_prompt(prompt, images), GREEDY, use_tqdm=False)[0]
+    _check(tiny_qwen2_vl, out, prompt, images)
