@@ -117,8 +117,8 @@ def test_concurrent_requests_share_one_encoding(llm: LLM) -> None:
 def test_preemption_and_async_scheduling(tiny_llava: str, admit_while_blocks_last, async_scheduling: bool) -> None:
     """A cache too small for every request at once: requests are preempted mid-image or after it, recomputed (their
     images encoded again), and still give transformers' tokens; with async scheduling too."""
-    engine = {**ENGINE, "max_model_len": 48, "num_gpu_blocks_override": 14, "max_num_batched_tokens": 12}
-    cases = [(f"{w} <image> the end of it", [tiny_image(50 + i)]) for i, w in enumerate(("one", "two", "three"))]
+    engine = {**ENGINE, "max_model_len": 48, "num_gpu_blocks_override": 12, "max_num_batched_tokens": 12}
+    cases = [(f"{w} <image> the end of it", [tiny_image(50 + i)]) for i, w in enumerate(("one", "two"))]
     with LLM(tiny_llava, async_scheduling=async_scheduling, **engine) as llm:
         outs = llm.generate([_mm(p, imgs) for p, imgs in cases], GREEDY, use_tqdm=False)
         stats = _core(llm).scheduler.make_stats()
