@@ -13,6 +13,9 @@
   length; pairs too short or too long are dropped.
 - custom (``custom_prompts``): JSONL of ``{"prompt": ..., "output_tokens": ...}``.
 
+- random-mm (``random_mm_prompts``): random prompts, each with images of random pixels as ``image_url`` chat parts
+  (chat endpoint only), their count and sizes drawn as vLLM's flags say.
+
 Token-id datasets (random, prefix_repetition) carry ``prompt_token_ids`` of exactly ``prompt_len`` tokens; text
 datasets (sonnet, sharegpt, custom) carry ``prompt`` text only and ``prompt_len`` counts its tokens as the
 tokenizer encodes it (special tokens included, as vLLM counts them).
@@ -40,6 +43,7 @@ class SampleRequest:
     prompt_len: int
     expected_output_len: int
     prompt: str | None = None  # the text: a text dataset's prompt, or a token-id prompt decoded on request
+    mm_content: list[dict[str, Any]] | None = None  # chat content parts after the text (images), random-mm
 
 
 def _length_range(length: int, range_ratio: float, name: str) -> tuple[int, int]:
@@ -114,6 +118,99 @@ def random_token_prompts(
                 prompt=_decode(tokenizer_or_vocab, token_ids) if decode else None,
             )
         )
+    return requests
+
+
+def parse_bucket_config(value: str | dict) -> dict[tuple[int, int, int], float]:
+    """vLLM's ``--random-mm-bucket-config``: ``{(height, width, frames): probability}`` as a Python literal (frames
+    1 = an image; more = a video, which pagedllm does not take: such a bucket must have probability 0). The
+    probabilities are normalized; ``ValueError`` naming the flag when the value is not such a dict."""
+    import ast
+
+    flag = "--random-mm-bucket-config"
+    try:
+        buckets = ast.literal_eval(value) if isinstance(value, str) else value
+    except (ValueError, SyntaxError) as e:
+        raise ValueError(f"{flag}: not a dict literal like {{(256, 256, 1): 1.0}}: {e}") from e
+    if not isinstance(buckets, dict) or not buckets:
+        raise ValueError(f"{flag}: a non-empty dict {{(height, width, frames): probability}}, got {value!r}")
+    out: dict[tuple[int, int, int], float] = {}
+    for key, prob in buckets.items():
+        if not (isinstance(key, tuple) and len(key) == 3 and all(isinstance(k, int) and k > 0 for k in key)):
+            raise ValueError(f"{flag}: keys are (height, width, frames) of positive ints, got {key!r}")
+        if not isinstance(prob, (int, float)) or prob < 0:
+            raise ValueError(f"{flag}: probabilities are numbers >= 0, got {prob!r} for {key}")
+        if key[2] != 1 and prob > 0:
+            raise ValueError(f"{flag}: {key} is a video bucket; only images (frames 1) are supported")
+        if prob > 0:
+            out[key] = float(prob)
+    total = sum(out.values())
+    if total <= 0:
+        raise ValueError(f"{flag}: every probability is 0")
+    return {k: p / total for k, p in out.items()}
+
+
+def _random_image_url(rng: np.random.Generator, height: int, width: int) -> str:
+    """A data URL of a JPEG of random pixels (vLLM's random-mm images are random pixels too)."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    pixels = rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="JPEG")
+    return "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def random_mm_prompts(
+    tokenizer: Any,
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float = 0.0,
+    seed: int = 0,
+    *,
+    base_items_per_request: int = 1,
+    num_mm_items_range_ratio: float = 0.0,
+    limit_mm_per_prompt: dict[str, int] | None = None,
+    bucket_config: dict[tuple[int, int, int], float] | None = None,
+    num_unique_images: int | None = None,
+) -> list[SampleRequest]:
+    """vLLM's random-mm dataset: random text prompts (as ``random_token_prompts``, decoded) each followed by
+    ``base_items_per_request`` images (± ``num_mm_items_range_ratio``, at most the limit), of sizes drawn from
+    ``bucket_config``, as ``image_url`` chat parts holding JPEG data URLs. ``num_unique_images`` (pagedllm's
+    addition): draw the images from a pool of that many, so requests repeat images (an encoder cache's workload);
+    None: every image is new."""
+    limit = (limit_mm_per_prompt or {"image": 255}).get("image", 255)
+    if base_items_per_request < 0:
+        raise ValueError(f"--random-mm-base-items-per-request must be >= 0, got {base_items_per_request}")
+    if not 0.0 <= num_mm_items_range_ratio <= 1.0:
+        raise ValueError(f"--random-mm-num-mm-items-range-ratio must be in [0, 1], got {num_mm_items_range_ratio}")
+    if num_unique_images is not None and num_unique_images < 1:
+        raise ValueError(f"--random-mm-num-unique-images must be >= 1, got {num_unique_images}")
+    buckets = bucket_config or {(256, 256, 1): 0.5, (720, 1280, 1): 0.5}
+    requests = random_token_prompts(tokenizer, num_prompts, input_len, output_len, range_ratio, seed, decode=True)
+    rng = np.random.default_rng(seed + 1)
+    sizes = list(buckets)
+    probs = np.array([buckets[k] for k in sizes])
+    lo = math.floor(base_items_per_request * (1 - num_mm_items_range_ratio))
+    hi = math.ceil(base_items_per_request * (1 + num_mm_items_range_ratio))
+    pool: list[str] = []
+    if num_unique_images is not None:
+        for _ in range(num_unique_images):
+            h, w, _ = sizes[rng.choice(len(sizes), p=probs)]
+            pool.append(_random_image_url(rng, h, w))
+    for request in requests:
+        n = min(int(rng.integers(lo, hi + 1)), limit)
+        urls = []
+        for _ in range(n):
+            if pool:
+                urls.append(pool[int(rng.integers(len(pool)))])
+            else:
+                h, w, _ = sizes[rng.choice(len(sizes), p=probs)]
+                urls.append(_random_image_url(rng, h, w))
+        request.mm_content = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
     return requests
 
 

@@ -43,7 +43,7 @@ from pagedllm.benchmarks.datasets import SampleRequest
 PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
 HTTP_CLIENTS = ("auto", "aiohttp", "httpx")
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")
-DATASET_NAMES = ("random", "sonnet", "sharegpt", "prefix_repetition", "custom")
+DATASET_NAMES = ("random", "random-mm", "sonnet", "sharegpt", "prefix_repetition", "custom")
 # Per-request lists of the result JSON (vLLM's detailed keys).
 PER_REQUEST_KEYS = (
     "input_lens",
@@ -99,6 +99,21 @@ def _add_dataset_args(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="random tokens shared by every prompt, before its own",
     )
+    group = parser.add_argument_group("random multimodal dataset options (random-mm; chat endpoint)")
+    group.add_argument("--random-mm-base-items-per-request", type=int, default=1)
+    group.add_argument("--random-mm-num-mm-items-range-ratio", type=float, default=0.0)
+    group.add_argument(
+        "--random-mm-limit-mm-per-prompt", type=json.loads, default={"image": 255},
+        help='JSON, e.g. \'{"image": 4}\': at most this many images per request',
+    )  # fmt: skip
+    group.add_argument(
+        "--random-mm-bucket-config", default="{(256, 256, 1): 0.5, (720, 1280, 1): 0.5}",
+        help="{(height, width, frames): probability}: image sizes (frames 1) and how often each comes",
+    )  # fmt: skip
+    group.add_argument(
+        "--random-mm-num-unique-images", type=int, default=None,
+        help="draw images from a pool of this many, so requests repeat them (default: every image is new)",
+    )  # fmt: skip
     group = parser.add_argument_group("sonnet dataset options")
     group.add_argument("--sonnet-input-len", type=int, default=550)
     group.add_argument("--sonnet-output-len", type=int, default=150)
@@ -338,7 +353,10 @@ def build_payload(args: argparse.Namespace, model: str, request: SampleRequest, 
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    if chat:
+    if chat and request.mm_content:
+        content = [{"type": "text", "text": request.prompt or ""}, *request.mm_content]
+        payload["messages"] = [{"role": "user", "content": content}]
+    elif chat:
         payload["messages"] = [{"role": "user", "content": request.prompt or ""}]
     elif args.prompt_type == "text" or request.prompt_token_ids is None:
         payload["prompt"] = request.prompt or ""
@@ -744,8 +762,12 @@ def _resolve_args(args: argparse.Namespace) -> None:
     if args.output_len is not None:
         args.random_output_len = args.sharegpt_output_len = args.output_len
         args.custom_output_len = args.prefix_repetition_output_len = args.output_len
-    if args.dataset_name == "random":  # vLLM: random prompts run to their asked length
+    if args.dataset_name in ("random", "random-mm"):  # vLLM: random prompts run to their asked length
         args.ignore_eos = True
+    if args.dataset_name == "random-mm":
+        if not _is_chat(args):
+            raise ValueError("--dataset-name random-mm sends images: it needs --backend openai-chat")
+        args.random_mm_bucket_config = datasets.parse_bucket_config(args.random_mm_bucket_config)
 
 
 def sample_requests(args: argparse.Namespace, tokenizer: Any) -> list[SampleRequest]:
@@ -757,6 +779,14 @@ def sample_requests(args: argparse.Namespace, tokenizer: Any) -> list[SampleRequ
         return datasets.random_token_prompts(
             tokenizer, args.num_prompts, args.random_input_len, args.random_output_len,
             args.random_range_ratio, args.seed, decode=decode, prefix_len=args.random_prefix_len,
+        )  # fmt: skip
+    if name == "random-mm":
+        return datasets.random_mm_prompts(
+            tokenizer, args.num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio,
+            args.seed, base_items_per_request=args.random_mm_base_items_per_request,
+            num_mm_items_range_ratio=args.random_mm_num_mm_items_range_ratio,
+            limit_mm_per_prompt=args.random_mm_limit_mm_per_prompt, bucket_config=args.random_mm_bucket_config,
+            num_unique_images=args.random_mm_num_unique_images,
         )  # fmt: skip
     if name == "prefix_repetition":
         return datasets.prefix_repetition_prompts(

@@ -58,6 +58,47 @@ def test_random_dataset_lengths_and_shared_prefix() -> None:
     assert {r.expected_output_len for r in reqs} == {3, 4, 5}
 
 
+def test_random_mm_dataset_images_counts_sizes_and_repeats() -> None:
+    import base64
+    import io
+
+    from PIL import Image
+
+    tokenizer = train_tiny_tokenizer()
+    buckets = datasets.parse_bucket_config("{(16, 24, 1): 1, (8, 8, 1): 3, (720, 1280, 16): 0}")
+    assert buckets == {(16, 24, 1): 0.25, (8, 8, 1): 0.75}
+    reqs = datasets.random_mm_prompts(
+        tokenizer, 40, 6, 4, seed=2, base_items_per_request=2, num_mm_items_range_ratio=0.5,
+        limit_mm_per_prompt={"image": 2}, bucket_config=buckets,
+    )  # fmt: skip
+    counts = [len(r.mm_content) for r in reqs]
+    assert set(counts) == {1, 2}  # 2 +- 1, capped at the limit of 2
+    sizes = set()
+    for r in reqs:
+        assert r.prompt and r.expected_output_len == 4
+        for part in r.mm_content:
+            url = part["image_url"]["url"]
+            assert part["type"] == "image_url" and url.startswith("data:image/jpeg;base64,")
+            sizes.add(Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).size)
+    assert sizes == {(24, 16), (8, 8)}  # PIL gives (width, height)
+    pooled = datasets.random_mm_prompts(tokenizer, 30, 6, 4, seed=2, bucket_config=buckets, num_unique_images=3)
+    assert len({r.mm_content[0]["image_url"]["url"] for r in pooled}) <= 3
+    args = SimpleNamespace(temperature=0.0, ignore_eos=True, prompt_type="token_ids")
+    payload = serve.build_payload(args, "m", pooled[0], chat=True)
+    assert payload["messages"][0]["content"][0] == {"type": "text", "text": pooled[0].prompt}
+    assert payload["messages"][0]["content"][1] == pooled[0].mm_content[0]
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [("{(8, 8, 4): 1.0}", "video"), ("[1, 2]", "non-empty dict"), ("{(8, 8): 1}", "frames"),
+     ("{(8, 8, 1): 0}", "every probability is 0"), ("{(8, 8, 1): -1}", ">= 0"), ("{", "dict literal")],
+)  # fmt: skip
+def test_random_mm_bucket_config_errors(value: str, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        datasets.parse_bucket_config(value)
+
+
 def test_prefix_repetition_dataset_groups_requests_by_prefix() -> None:
     reqs = datasets.prefix_repetition_prompts(1000, 10, 6, 4, 3, 9, seed=1, shuffle=False)
     assert len(reqs) == 9  # 3 prefixes x (10 // 3) prompts; vLLM drops the remainder
@@ -369,6 +410,9 @@ def test_flag_checks() -> None:
         (["--dataset-name", "sharegpt"], "needs --dataset-path"),
         (["--dataset-path", "x.json"], "takes no --dataset-path"),
         (["--metadata", "novalue"], "KEY=VALUE"),
+        (["--dataset-name", "random-mm"], "needs --backend openai-chat"),
+        (["--dataset-name", "random-mm", "--backend", "openai-chat", "--random-mm-bucket-config", "{(8, 8, 2): 1}"],
+         "video"),
     ]:
         with pytest.raises(ValueError, match=why):
             _parse(argv)
