@@ -45,6 +45,7 @@ def trainer(port: int, specs: list[tuple[str, tuple[int, ...]]], passes: int) ->
         for t in tensors:
             group.broadcast(t, src=0)
     torch.cuda.synchronize()
+    group.destroy()
 
 
 def main() -> None:

@@ -13,9 +13,12 @@ the same order.
 from __future__ import annotations
 
 import datetime
+import logging
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -31,6 +34,16 @@ class WeightSyncGroup:
         self.backend_name = backend_name  # "gloo": CPU tensors; "nccl": CUDA tensors
         self.rank = rank
         self.world_size = world_size
+
+    def destroy(self) -> None:
+        """Release the communicator (NCCL's is shut down rather than left to process exit) and the store."""
+        backend, self.backend, self.store = self.backend, None, None
+        shutdown = getattr(backend, "shutdown", None)  # ProcessGroupNCCL has one; gloo frees on collection
+        if shutdown is not None:
+            try:
+                shutdown()
+            except RuntimeError as e:  # a peer already gone: nothing more to release here
+                logger.warning("weight-update group shutdown: %s", e)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Broadcast ``tensor`` in place from rank ``src`` (blocking until this rank's part is done)."""

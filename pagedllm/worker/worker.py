@@ -126,7 +126,10 @@ class Worker:
         self.updater.apply([(name, buffer)])
 
     def destroy_weight_update_group(self) -> None:
-        self.weight_update_group = None
+        """Leave the trainer's group and release its communicator (the trainer destroys its side too)."""
+        group, self.weight_update_group = self.weight_update_group, None
+        if group is not None:
+            group.destroy()
 
     # ------------------------------------------------------------------ sleep mode
 

@@ -34,6 +34,7 @@ def trainer_broadcast(master_port: int, world_size: int, checkpoint: str, device
         group.broadcast(tensor.to(device).contiguous(), src=0)
     if device != "cpu":
         torch.cuda.synchronize()
+    group.destroy()
 
 
 class RankProbe:
