@@ -61,7 +61,7 @@ class Proxy:
         self._log.close()
 
 
-def start_both(tiny_llama, tmp_path, kv_port: int) -> tuple[RemoteServer, RemoteServer]:
+def start_both(tiny_llama, tmp_path, kv_ports: dict[str, int]) -> tuple[RemoteServer, RemoteServer]:
     """The prefill and decode servers, started side by side."""
     out: dict[str, RemoteServer] = {}
 
@@ -69,7 +69,7 @@ def start_both(tiny_llama, tmp_path, kv_port: int) -> tuple[RemoteServer, Remote
         out[name] = RemoteServer(tiny_llama, tmp_path / f"{name}.log", extra_args=args)
 
     threads = [
-        threading.Thread(target=start, args=("prefill", p2p_args("kv_producer", kv_port=kv_port))),
+        threading.Thread(target=start, args=("prefill", p2p_args("kv_producer", **kv_ports))),
         threading.Thread(target=start, args=("decode", p2p_args("kv_consumer"))),
     ]
     for t in threads:
@@ -81,8 +81,9 @@ def start_both(tiny_llama, tmp_path, kv_port: int) -> tuple[RemoteServer, Remote
 
 
 def test_proxy_end_to_end_and_prefill_restart(tiny_llama, tmp_path):
-    kv_port = free_port()
-    prefill, decode = start_both(tiny_llama, tmp_path, kv_port)
+    # Both of the producer's ports from free_port(): kv_port + 1, the default store port, may be taken.
+    kv_ports = {"kv_port": free_port(), "kv_store_port": free_port()}
+    prefill, decode = start_both(tiny_llama, tmp_path, kv_ports)
     proxy = None
     try:
         proxy = Proxy(prefill.base_url, decode.base_url, tmp_path / "proxy.log")
@@ -120,7 +121,7 @@ def test_proxy_end_to_end_and_prefill_restart(tiny_llama, tmp_path):
         assert r.status_code == 502 and r.json()["error"]["code"] == "bad_gateway"
         assert httpx.get(proxy.url + "/health", timeout=10).status_code == 503
         prefill = RemoteServer(
-            tiny_llama, tmp_path / "prefill2.log", extra_args=p2p_args("kv_producer", kv_port=kv_port), port=port
+            tiny_llama, tmp_path / "prefill2.log", extra_args=p2p_args("kv_producer", **kv_ports), port=port
         )
         hits = metric(decode.metrics(), "external_prefix_cache_hits_total")
         prompt = "a different prompt after the restart, long enough to span blocks"
