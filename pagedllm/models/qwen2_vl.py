@@ -15,6 +15,7 @@ original ones (``visual.*``, ``model.*``, ``lm_head.*``) both load (``checkpoint
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,29 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x2, x1], dim=-1)
 
 
+def segment_attention(
+    q: torch.Tensor,  # [S, heads, head_dim]
+    k: torch.Tensor,  # [S, heads, head_dim]
+    v: torch.Tensor,  # [S, heads, head_dim]
+    lengths: list[int],  # consecutive segments of S; attention stays within each
+) -> torch.Tensor:  # [S, heads, head_dim]
+    """Bidirectional attention within each segment; consecutive segments of one length run as one batch (windows of
+    Qwen2.5-VL's tower are mostly of one size; images of one size too)."""
+    out = []
+    a = i = 0
+    while i < len(lengths):
+        n = lengths[i]
+        j = i
+        while j < len(lengths) and lengths[j] == n:
+            j += 1
+        b = a + n * (j - i)
+        q_, k_, v_ = (t[a:b].view(j - i, n, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))  # [segs, heads, n, d]
+        o = F.scaled_dot_product_attention(q_, k_, v_)  # [segs, heads, n, head_dim]
+        out.append(o.transpose(1, 2).reshape(b - a, *q.shape[1:]))
+        a, i = b, j
+    return torch.cat(out) if len(out) > 1 else out[0]
+
+
 class VisionAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int) -> None:
         super().__init__()
@@ -47,20 +71,14 @@ class VisionAttention(nn.Module):
         x: torch.Tensor,  # [S, dim] the patches of every image, image after image
         cos: torch.Tensor,  # [S, head_dim]
         sin: torch.Tensor,  # [S, head_dim]
-        lengths: list[int],  # patches per image (attention stays within an image)
+        lengths: list[int],  # patches per attention segment (an image's frame, or a window of it)
     ) -> torch.Tensor:  # [S, dim]
         s = x.shape[0]
         q, k, v = self.qkv(x).view(s, 3, self.num_heads, self.head_dim).unbind(1)  # [S, heads, head_dim] each
         cos, sin = cos.unsqueeze(1).float(), sin.unsqueeze(1).float()  # [S, 1, head_dim]
         q = (q.float() * cos + _rotate_half(q.float()) * sin).to(x.dtype)
         k = (k.float() * cos + _rotate_half(k.float()) * sin).to(x.dtype)
-        out = []
-        for qi, ki, vi in zip(q.split(lengths), k.split(lengths), v.split(lengths)):
-            o = F.scaled_dot_product_attention(
-                qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1)
-            )  # [heads, n, head_dim]
-            out.append(o.transpose(0, 1).reshape(-1, self.num_heads * self.head_dim))
-        return self.proj(torch.cat(out))
+        return self.proj(segment_attention(q, k, v, lengths).reshape(s, -1))
 
 
 class VisionMlp(nn.Module):
@@ -75,13 +93,12 @@ class VisionMlp(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, dim: int, num_heads: int, mlp: nn.Module, norm: Callable[[int], nn.Module]) -> None:
         super().__init__()
-        dim = int(config.embed_dim)
-        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
-        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
-        self.attn = VisionAttention(dim, int(config.num_heads))
-        self.mlp = VisionMlp(dim, int(dim * config.mlp_ratio), getattr(config, "hidden_act", "quick_gelu"))
+        self.norm1 = norm(dim)
+        self.norm2 = norm(dim)
+        self.attn = VisionAttention(dim, num_heads)
+        self.mlp = mlp
 
     def forward(self, x, cos, sin, lengths):
         x = x + self.attn(self.norm1(x), cos, sin, lengths)
@@ -89,12 +106,12 @@ class VisionBlock(nn.Module):
 
 
 class PatchEmbed(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, embed_dim: int) -> None:
         super().__init__()
         self.in_channels = int(getattr(config, "in_channels", 3))
         self.temporal_patch_size = int(config.temporal_patch_size)
         self.patch_size = int(config.patch_size)
-        self.embed_dim = int(config.embed_dim)
+        self.embed_dim = embed_dim
         kernel = (self.temporal_patch_size, self.patch_size, self.patch_size)
         self.proj = nn.Conv3d(self.in_channels, self.embed_dim, kernel, stride=kernel, bias=False)
 
@@ -104,10 +121,10 @@ class PatchEmbed(nn.Module):
 
 
 class PatchMerger(nn.Module):
-    def __init__(self, dim: int, context_dim: int, merge: int) -> None:
+    def __init__(self, dim: int, context_dim: int, merge: int, norm: Callable[[int], nn.Module]) -> None:
         super().__init__()
         self.hidden = context_dim * merge * merge
-        self.ln_q = nn.LayerNorm(context_dim, eps=1e-6)
+        self.ln_q = norm(context_dim)
         self.mlp = nn.Sequential(nn.Linear(self.hidden, self.hidden), nn.GELU(), nn.Linear(self.hidden, dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [S, context_dim] -> [S / merge**2, dim]
@@ -115,17 +132,38 @@ class PatchMerger(nn.Module):
 
 
 class Qwen2VisionTransformer(nn.Module):
+    """Qwen2-VL's ViT. Qwen2.5-VL's (``pagedllm/models/qwen2_5_vl.py``) is this one with other widths' names, another
+    norm and MLP (the ``*_of`` / ``make_*`` hooks) and window attention in ``forward``."""
+
     def __init__(self, config: Any) -> None:
         super().__init__()
+        width, out_dim = self.dims_of(config)
+        num_heads = int(config.num_heads)
         self.merge = int(config.spatial_merge_size)
-        self.patch_embed = PatchEmbed(config)
-        head_dim = int(config.embed_dim) // int(config.num_heads)
+        self.patch_embed = PatchEmbed(config, width)
+        head_dim = width // num_heads
         theta = float((getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0))
         spatial = head_dim // 2
         inv_freq = 1.0 / theta ** (torch.arange(0, spatial, 2, dtype=torch.float32) / spatial)  # [head_dim // 4]
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(int(config.depth)))
-        self.merger = PatchMerger(int(config.hidden_size), int(config.embed_dim), self.merge)
+        self.blocks = nn.ModuleList(
+            VisionBlock(width, num_heads, self.make_mlp(config, width), self.make_norm)
+            for _ in range(int(config.depth))
+        )
+        self.merger = PatchMerger(out_dim, width, self.merge, self.make_norm)
+
+    @staticmethod
+    def dims_of(config: Any) -> tuple[int, int]:
+        """(the tower's width, the width of the embeddings it hands the text model)."""
+        return int(config.embed_dim), int(config.hidden_size)
+
+    @staticmethod
+    def make_norm(dim: int) -> nn.Module:
+        return nn.LayerNorm(dim, eps=1e-6)
+
+    @staticmethod
+    def make_mlp(config: Any, width: int) -> nn.Module:
+        return VisionMlp(width, int(width * config.mlp_ratio), getattr(config, "hidden_act", "quick_gelu"))
 
     def _rotary(self, grids: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [S, head_dim] of each patch's (row, column), patches in merge-block order as the processor
@@ -145,7 +183,7 @@ class Qwen2VisionTransformer(nn.Module):
         return freqs.cos(), freqs.sin()
 
     def forward(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
-        """[S, C * T * P * P] patches of the images in ``grids`` order -> [S / merge**2, hidden_size]."""
+        """[S, C * T * P * P] patches of the images in ``grids`` order -> [S / merge**2, out_dim]."""
         x = self.patch_embed(pixels)
         cos, sin = self._rotary(grids)
         lengths = [h * w for t, h, w in grids for _ in range(t)]  # attention within each frame
@@ -174,16 +212,17 @@ class Qwen2VLForConditionalGeneration(nn.Module):
     packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
     supports_multimodal = True
     uses_mrope = True
+    vision_tower_cls: type[nn.Module] = Qwen2VisionTransformer
 
     def __init__(self, config: Any, attn_backend: AttentionBackend, tp: Any = None, pp: Any = None) -> None:
         super().__init__()
         if tp is not None or pp is not None:
-            raise ValueError("Qwen2VLForConditionalGeneration: tensor / pipeline parallelism is not supported yet")
+            raise ValueError(f"{type(self).__name__}: tensor / pipeline parallelism is not supported yet")
         self.config = config
         vision_config = sub_config(config, "vision_config")
         text_config = sub_config(config, "text_config")
         self.spatial_merge_size = int(vision_config.spatial_merge_size)
-        self.visual = Qwen2VisionTransformer(vision_config)
+        self.visual = self.vision_tower_cls(vision_config)
         self.language_model = Qwen2VLTextForCausalLM(text_config, attn_backend)
 
     def checkpoint_name(self, name: str) -> str | None:
