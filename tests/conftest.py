@@ -76,3 +76,12 @@ def tiny_qwen2_vl(tmp_path_factory: pytest.TempPathFactory) -> str:
     from tests.utils import make_tiny_qwen2_vl
 
     return make_tiny_qwen2_vl(tmp_path_factory.mktemp("tiny_qwen2_vl") / "qwen2_vl")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_5_vl(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny random Qwen2.5-VL checkpoint (window and full attention in its tower) with Qwen2-VL's image processor."""
+    from tests.utils import make_tiny_qwen2_vl
+
+    return make_tiny_qwen2_vl(tmp_path_factory.mktemp("tiny_qwen2_5_vl") / "qwen2_5_vl", v2_5=True)
+

@@ -443,7 +443,17 @@ def make_tiny_llava(path: str | Path, *, feature_layer: int | list[int] = -2, st
     return str(path)
 
 
-@functools.lru_cache(maxsize=2)
+def _hf_vlm_class(path: str | Path):
+    """transformers' class for the checkpoint's architecture (``config.json``)."""
+    import json
+
+    import transformers
+
+    with open(Path(path) / "config.json", encoding="utf-8") as f:
+        return getattr(transformers, json.load(f)["architectures"][0])
+
+
+@functools.lru_cache(maxsize=4)
 def _load_hf_vlm(cls, path: str):
     """A transformers vision-language model in float32, loaded once per checkpoint (the oracles only read it)."""
     model = cls.from_pretrained(path, dtype=torch.float32).eval()
@@ -483,15 +493,20 @@ def hf_llava_greedy_and_logprobs(path: str | Path, prompt: str, images: list, ma
 QWEN2_VL_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
-def make_tiny_qwen2_vl(path: str | Path) -> str:
+def make_tiny_qwen2_vl(path: str | Path, *, v2_5: bool = False) -> str:
     """Save a tiny random Qwen2-VL checkpoint (ViT of width 32 over 4x4 patches, 2x2 merge; the tiny Qwen2-style
     text model with mrope_section [2, 3, 3]), its tokenizer (Qwen2-VL's vision tokens added) and image processor
-    (``Qwen2VLImageProcessorPil``, 256..4096 pixels: a 40x30 image takes 20 tokens) to ``path``."""
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    (``Qwen2VLImageProcessorPil``, 256..4096 pixels: a 40x30 image takes 20 tokens) to ``path``.
+
+    ``v2_5``: Qwen2.5-VL instead (its tower: RMSNorm, gated SiLU MLP, windows of 16 pixels = 2x2 merged units in
+    block 0 and full attention in block 1; a 40x30 image's 4x5 units make 6 windows, two of them 2x1)."""
+    import transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    family = "Qwen2_5_VL" if v2_5 else "Qwen2VL"
+    config_cls, model_cls = (getattr(transformers, family + suffix) for suffix in ("Config", "ForConditionalGeneration"))
     tokenizer = train_tiny_tokenizer()
     specials = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
     tokenizer.add_special_tokens({"additional_special_tokens": specials})
@@ -503,16 +518,20 @@ def make_tiny_qwen2_vl(path: str | Path) -> str:
         pad_token_id=tokenizer.pad_token_id,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
     )  # fmt: skip
-    vision_config = dict(
-        depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, patch_size=4, spatial_merge_size=2,
-        temporal_patch_size=2, in_channels=3,
-    )  # fmt: skip
-    config = Qwen2VLConfig(
+    common = dict(depth=2, num_heads=4, patch_size=4, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+    if v2_5:
+        vision_config = dict(
+            common, hidden_size=32, intermediate_size=48, out_hidden_size=64, hidden_act="silu", window_size=16,
+            fullatt_block_indexes=[1],
+        )  # fmt: skip
+    else:
+        vision_config = dict(common, embed_dim=32, hidden_size=64, mlp_ratio=2)
+    config = config_cls(
         text_config=text_config, vision_config=vision_config, image_token_id=pad, video_token_id=video,
         vision_start_token_id=start, vision_end_token_id=end, tie_word_embeddings=False,
     )  # fmt: skip
     torch.manual_seed(9)
-    model = Qwen2VLForConditionalGeneration(config)
+    model = model_cls(config)
     gen = torch.Generator().manual_seed(9)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -530,17 +549,13 @@ def make_tiny_qwen2_vl(path: str | Path) -> str:
 
 @torch.inference_mode()
 def hf_qwen2_vl_greedy_and_logprobs(path: str | Path, prompt: str, images: list, max_new_tokens: int):
-    """transformers' Qwen2-VL, float32, as ``hf_llava_greedy_and_logprobs`` (its processor needs torchvision for
-    videos, so the prompt's image pads are expanded here: t * h * w / 4 each)."""
-    from transformers import (
-        AutoImageProcessor,
-        AutoTokenizer,
-        GenerationConfig,
-        Qwen2VLForConditionalGeneration,
-    )
+    """transformers' Qwen2-VL (or Qwen2.5-VL: the checkpoint's architecture), float32, as
+    ``hf_llava_greedy_and_logprobs`` (its processor needs torchvision for videos, so the prompt's image pads are
+    expanded here: t * h * w / 4 each)."""
+    from transformers import AutoImageProcessor, AutoTokenizer, GenerationConfig
 
     tokenizer = AutoTokenizer.from_pretrained(str(path))
-    model = _load_hf_vlm(Qwen2VLForConditionalGeneration, str(path))
+    model = _load_hf_vlm(_hf_vlm_class(path), str(path))
     pad = model.config.image_token_id
     ids = tokenizer(prompt)["input_ids"]
     kwargs = {}

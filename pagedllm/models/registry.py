@@ -25,6 +25,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     # Images in, text out (pagedllm/multimodal).
     "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
     "Qwen2VLForConditionalGeneration": ("qwen2_vl", "Qwen2VLForConditionalGeneration"),
+    "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
 }
 
 

@@ -65,10 +65,12 @@ def qwen2_vl_max_image_tokens(config: Any, model_path: str | None) -> int:
     return max(1, int(max_pixels) // (side * side))
 
 
+QWEN2_VL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+
 # architecture -> the most embeddings one image takes (sizes the encoder cache)
 _MAX_IMAGE_TOKENS = {
     "LlavaForConditionalGeneration": lambda config, model_path: llava_num_image_tokens(config),
-    "Qwen2VLForConditionalGeneration": qwen2_vl_max_image_tokens,
+    **{arch: qwen2_vl_max_image_tokens for arch in QWEN2_VL_ARCHITECTURES},
 }
 
 
@@ -88,7 +90,7 @@ class MultiModalProcessor:
         self.architecture = hf_config.architectures[0]
         self.image_token_id = image_token_id_of(hf_config)
         vision = sub_config(hf_config, "vision_config")
-        self.is_qwen2_vl = self.architecture == "Qwen2VLForConditionalGeneration"
+        self.is_qwen2_vl = self.architecture in QWEN2_VL_ARCHITECTURES
         if self.is_qwen2_vl:  # dynamic resolution: an image's tokens follow its size
             self.merge_size = int(vision.spatial_merge_size)
             self.vision_start_token_id = int(hf_config.vision_start_token_id)
