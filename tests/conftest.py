@@ -85,3 +85,10 @@ def tiny_qwen2_5_vl(tmp_path_factory: pytest.TempPathFactory) -> str:
 
     return make_tiny_qwen2_vl(tmp_path_factory.mktemp("tiny_qwen2_5_vl") / "qwen2_5_vl", v2_5=True)
 
+
+@pytest.fixture(scope="session")
+def tiny_llava_next(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny random LLaVA-NeXT checkpoint with its processor: 2x1, 1x2 or 2x2 tiles of 28x28 an image."""
+    from tests.utils import make_tiny_llava
+
+    return make_tiny_llava(tmp_path_factory.mktemp("tiny_llava_next") / "llava_next", llava_next=True)

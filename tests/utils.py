@@ -397,15 +397,30 @@ def greedy_ids(llm, prompts: list[list[int]] = ROLLOUT_PROMPTS, max_tokens: int 
 TINY_IMAGE_TOKEN = "<image>"
 
 
-def make_tiny_llava(path: str | Path, *, feature_layer: int | list[int] = -2, strategy: str = "default") -> str:
+# LLaVA-NeXT's tiny tiling: (height, width) resolutions of 2x1, 1x2 and 2x2 crops of 28x28
+TINY_LLAVA_NEXT_PINPOINTS = [[28, 56], [56, 28], [56, 56]]
+
+
+def make_tiny_llava(
+    path: str | Path, *, feature_layer: int | list[int] = -2, strategy: str = "default", llava_next: bool = False
+) -> str:
     """Save a tiny random LLaVA-1.5 checkpoint (CLIP tower: 28x28 images, 7x7 patches, 2 layers of width 32; the
     tiny Llama text model) with its tokenizer (``<image>`` added) and processor (``CLIPImageProcessorPil``), to
-    ``path``; return the directory. An image takes 16 placeholder tokens ("default" strategy) or 17 ("full")."""
-    from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+    ``path``; return the directory. An image takes 16 placeholder tokens ("default" strategy) or 17 ("full").
+
+    ``llava_next``: LLaVA-NeXT instead (``TINY_LLAVA_NEXT_PINPOINTS``, ``LlavaNextImageProcessorPil``): a 40x30 image
+    takes 70 tokens (base 16, a 2x2 tile grid of 8x8 patches unpadded to 6 rows, 6 newlines), a 20x50 one 56."""
+    import transformers
+    from transformers import CLIPVisionConfig
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    family = "LlavaNext" if llava_next else "Llava"
+    config_cls, model_cls, processor_cls = (
+        getattr(transformers, family + suffix) for suffix in ("Config", "ForConditionalGeneration", "Processor")
+    )
     tokenizer = train_tiny_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": [TINY_IMAGE_TOKEN]})
     image_token_id = tokenizer.convert_tokens_to_ids(TINY_IMAGE_TOKEN)
@@ -416,16 +431,17 @@ def make_tiny_llava(path: str | Path, *, feature_layer: int | list[int] = -2, st
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=28,
         patch_size=7, projection_dim=32,
     )  # fmt: skip
-    config = LlavaConfig(
+    config = config_cls(
         vision_config=vision_config,
         text_config=text_config,
         image_token_index=image_token_id,
         vision_feature_layer=feature_layer,
         vision_feature_select_strategy=strategy,
         projector_hidden_act="gelu",
+        **({"image_grid_pinpoints": TINY_LLAVA_NEXT_PINPOINTS} if llava_next else {}),
     )
     torch.manual_seed(7)
-    model = LlavaForConditionalGeneration(config)
+    model = model_cls(config)
     gen = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -434,8 +450,12 @@ def make_tiny_llava(path: str | Path, *, feature_layer: int | list[int] = -2, st
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
-    image_processor = CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
-    processor = LlavaProcessor(
+    sizes = dict(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    if llava_next:
+        image_processor = LlavaNextImageProcessorPil(image_grid_pinpoints=TINY_LLAVA_NEXT_PINPOINTS, **sizes)
+    else:
+        image_processor = CLIPImageProcessorPil(**sizes)
+    processor = processor_cls(
         image_processor=image_processor, tokenizer=tokenizer, patch_size=7,
         vision_feature_select_strategy=strategy, num_additional_image_tokens=1,
     )  # fmt: skip
@@ -472,12 +492,13 @@ def tiny_image(seed: int, size: tuple[int, int] = (40, 30)):
 
 @torch.inference_mode()
 def hf_llava_greedy_and_logprobs(path: str | Path, prompt: str, images: list, max_new_tokens: int):
-    """transformers' LLaVA, float32: (prompt token ids with placeholders expanded, greedy new token ids (EOS
-    ignored), log_softmax rows [max_new_tokens, vocab] of the logits that chose each of them)."""
-    from transformers import AutoProcessor, GenerationConfig, LlavaForConditionalGeneration
+    """transformers' LLaVA (or LLaVA-NeXT: the checkpoint's architecture), float32: (prompt token ids with
+    placeholders expanded, greedy new token ids (EOS ignored), log_softmax rows [max_new_tokens, vocab] of the
+    logits that chose each of them)."""
+    from transformers import AutoProcessor, GenerationConfig
 
     processor = AutoProcessor.from_pretrained(str(path))
-    model = _load_hf_vlm(LlavaForConditionalGeneration, str(path))
+    model = _load_hf_vlm(_hf_vlm_class(path), str(path))
     inputs = processor(text=prompt, images=images or None, return_tensors="pt")
     gen_config = GenerationConfig(
         max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,

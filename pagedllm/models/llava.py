@@ -24,7 +24,7 @@ from torch import nn
 
 from pagedllm.attention.base import AttentionBackend, AttentionMetadata
 from pagedllm.models.llama import LlamaForCausalLM
-from pagedllm.multimodal.processing import sub_config
+from pagedllm.multimodal.processing import select_best_resolution, sub_config
 
 
 def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -166,7 +166,7 @@ class LlavaForConditionalGeneration(nn.Module):
     def __init__(self, config: Any, attn_backend: AttentionBackend, tp: Any = None, pp: Any = None) -> None:
         super().__init__()
         if tp is not None or pp is not None:
-            raise ValueError("LlavaForConditionalGeneration: tensor / pipeline parallelism is not supported yet")
+            raise ValueError(f"{type(self).__name__}: tensor / pipeline parallelism is not supported yet")
         self.config = config
         vision_config = sub_config(config, "vision_config")
         text_config = sub_config(config, "text_config")
@@ -229,3 +229,70 @@ class LlavaForConditionalGeneration(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden)
+
+
+class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
+    """LLaVA-NeXT (1.6): LLaVA-1.5's tower, projector and text model over "any resolution" crops.
+
+    The image processor gives each image its crops: the whole image resized to the tower's input, then the tiles of
+    the best of ``image_grid_pinpoints`` (the image scaled to fit it, letterboxed). Each crop goes through the tower
+    and projector (``side x side`` embeddings, side = image_size / patch_size); the tiles' embeddings are laid out
+    as one grid of their patches, the rows or columns of the letterbox cut off ("unpadding"), and
+    ``image_newline`` appended to each row. An image's embeddings: the base crop's, then the grid row by row::
+
+        base (side * side) | g00 g01 .. g0W nl | g10 .. g1W nl | ... | gH0 .. gHW nl
+
+    ``pagedllm.multimodal.processing.llava_next_num_image_tokens`` counts them from the image's size.
+
+    Checkpoints: LLaVA-1.5's names (``checkpoint_name``), and ``image_newline`` (``model.image_newline`` in
+    transformers 5's names).
+    """
+
+    def __init__(self, config: Any, attn_backend: AttentionBackend, tp: Any = None, pp: Any = None) -> None:
+        super().__init__(config, attn_backend, tp, pp)
+        if self.select_strategy != "default":
+            raise ValueError(
+                "LlavaNextForConditionalGeneration: vision_feature_select_strategy must be 'default' (the tiles are "
+                "laid out as a grid of patch embeddings, without CLS)"
+            )
+        vision_config = sub_config(config, "vision_config")
+        self.tile_size = int(vision_config.image_size)
+        self.side = self.tile_size // int(vision_config.patch_size)  # patch embeddings a crop side
+        self.pinpoints = [(int(h), int(w)) for h, w in config.image_grid_pinpoints]
+        self.image_newline = nn.Parameter(torch.empty(int(sub_config(config, "text_config").hidden_size)))
+
+    def pack(self, crops: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+        """One image's crop embeddings [num_crops, side * side, D] and its size (height, width) -> its embeddings
+        [num_tokens, D] (class docstring; transformers' ``pack_image_features``)."""
+        base, tiles = crops[0], crops[1:]
+        best_h, best_w = select_best_resolution(size, self.pinpoints)
+        rows, cols = best_h // self.tile_size, best_w // self.tile_size
+        d = crops.shape[-1]
+        grid = tiles.view(rows, cols, self.side, self.side, d).permute(4, 0, 2, 1, 3)  # [D, rows, side, cols, side]
+        grid = _unpad(grid.reshape(d, rows * self.side, cols * self.side), size)  # [D, h, w]
+        newline = self.image_newline.to(grid.dtype)[:, None, None].expand(d, grid.shape[1], 1)  # [D, h, 1]
+        grid = torch.cat([grid, newline], dim=-1).flatten(1, 2).transpose(0, 1)  # [h * (w + 1), D]
+        return torch.cat([base, grid])
+
+    def embed_images(self, datas: list[dict[str, Any]]) -> list[torch.Tensor]:
+        """Each image's embeddings [num_tokens, hidden_size]; the crops of all images go through the tower in one
+        batch."""
+        param = self.multi_modal_projector.linear_1.weight
+        pixels = torch.from_numpy(np.concatenate([d["pixel_values"] for d in datas])).to(param.device, param.dtype)
+        crops = self.embed_multimodal(pixels)  # [sum num_crops, side * side, hidden_size]
+        counts = [d["pixel_values"].shape[0] for d in datas]
+        return [
+            self.pack(c, tuple(int(x) for x in d["image_sizes"])) for c, d in zip(crops.split(counts), datas)
+        ]
+
+
+def _unpad(grid: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """[D, H, W] patch grid of a letterboxed image -> the rows (or columns) that hold the image of ``size`` (height,
+    width) (transformers' ``unpad_image``)."""
+    height, width = size
+    cur_h, cur_w = grid.shape[1:]
+    if width / height > cur_w / cur_h:
+        pad = (cur_h - int(round(height * (cur_w / width), 7))) // 2
+        return grid[:, pad : cur_h - pad]
+    pad = (cur_w - int(round(width * (cur_h / height), 7))) // 2
+    return grid[:, :, pad : cur_w - pad]

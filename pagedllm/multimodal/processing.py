@@ -65,11 +65,70 @@ def qwen2_vl_max_image_tokens(config: Any, model_path: str | None) -> int:
     return max(1, int(max_pixels) // (side * side))
 
 
+def select_best_resolution(size: tuple[int, int], pinpoints: Sequence[Sequence[int]]) -> tuple[int, int]:
+    """LLaVA-NeXT's tiling: of the ``(height, width)`` resolutions in ``pinpoints``, the one that keeps most of an
+    image of ``size`` (height, width) once scaled to fit, then wastes least (transformers'
+    ``select_best_resolution``, the same arithmetic)."""
+    height, width = size
+    best = None
+    best_effective, best_wasted = 0, float("inf")
+    for h, w in pinpoints:
+        scale = min(w / width, h / height)
+        effective = min(int(width * scale) * int(height * scale), width * height)
+        wasted = w * h - effective
+        if effective > best_effective or (effective == best_effective and wasted < best_wasted):
+            best, best_effective, best_wasted = (int(h), int(w)), effective, wasted
+    if best is None:
+        raise ValueError("image_grid_pinpoints is empty")
+    return best
+
+
+def llava_next_num_tiles(config: Any, height: int, width: int) -> int:
+    """Crops the LLaVA-NeXT image processor makes of an image ``height x width``: the whole image resized, then the
+    tiles of the best pinpoint resolution (each the vision tower's input size)."""
+    tile = int(sub_config(config, "vision_config").image_size)
+    best_h, best_w = select_best_resolution((height, width), config.image_grid_pinpoints)
+    return -(-best_h // tile) * -(-best_w // tile) + 1
+
+
+def llava_next_num_image_tokens(config: Any, height: int, width: int) -> int:
+    """Embeddings LLaVA-NeXT makes for an image ``height x width`` (before preprocessing), as transformers'
+    ``LlavaNextProcessor`` counts them: the base image's patches, then the tiles' patch grid with the rows or
+    columns of the letterbox padding cut off ("unpadding"), plus one ``image_newline`` per remaining row."""
+    vision = sub_config(config, "vision_config")
+    tile = int(vision.image_size)
+    side = tile // int(vision.patch_size)  # patches a tile side
+    best_h, best_w = select_best_resolution((height, width), config.image_grid_pinpoints)
+    cur_h, cur_w = side * (best_h // tile), side * (best_w // tile)
+    if width / height > cur_w / cur_h:
+        new_h = int(round(height * (cur_w / width), 7))
+        cur_h -= (cur_h - new_h) // 2 * 2
+    else:
+        new_w = int(round(width * (cur_h / height), 7))
+        cur_w -= (cur_w - new_w) // 2 * 2
+    base = side * side + (0 if getattr(config, "vision_feature_select_strategy", "default") == "default" else 1)
+    return base + cur_h * cur_w + cur_h
+
+
+def llava_next_max_image_tokens(config: Any, model_path: str | None = None) -> int:
+    """An upper bound of ``llava_next_num_image_tokens`` over image sizes: per pinpoint, the base image and the whole
+    tile grid with a newline per row (unpadding only removes)."""
+    vision = sub_config(config, "vision_config")
+    tile = int(vision.image_size)
+    side = tile // int(vision.patch_size)
+    most = 0
+    for h, w in config.image_grid_pinpoints:
+        rows, cols = side * (int(h) // tile), side * (int(w) // tile)
+        most = max(most, rows * (cols + 1))
+    return side * side + 1 + most
+
+
 QWEN2_VL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 
 # architecture -> the most embeddings one image takes (sizes the encoder cache)
 _MAX_IMAGE_TOKENS = {
     "LlavaForConditionalGeneration": lambda config, model_path: llava_num_image_tokens(config),
+    "LlavaNextForConditionalGeneration": llava_next_max_image_tokens,
     **{arch: qwen2_vl_max_image_tokens for arch in QWEN2_VL_ARCHITECTURES},
 }
 
@@ -88,14 +147,18 @@ class MultiModalProcessor:
 
     def __init__(self, model_path: str, hf_config: Any, trust_remote_code: bool = False) -> None:
         self.architecture = hf_config.architectures[0]
+        self.hf_config = hf_config
         self.image_token_id = image_token_id_of(hf_config)
         vision = sub_config(hf_config, "vision_config")
         self.is_qwen2_vl = self.architecture in QWEN2_VL_ARCHITECTURES
+        self.is_llava_next = self.architecture == "LlavaNextForConditionalGeneration"
+        self.num_image_tokens = 0  # per image, when every image takes the same number (LLaVA-1.5)
         if self.is_qwen2_vl:  # dynamic resolution: an image's tokens follow its size
             self.merge_size = int(vision.spatial_merge_size)
             self.vision_start_token_id = int(hf_config.vision_start_token_id)
             self.vision_end_token_id = int(hf_config.vision_end_token_id)
-            self.num_image_tokens = 0  # per image
+        elif self.is_llava_next:  # tiles: an image's tokens follow its size
+            self.image_size = int(vision.image_size)
         else:
             self.num_image_tokens = llava_num_image_tokens(hf_config)
             self.image_size = int(vision.image_size)
@@ -125,8 +188,9 @@ class MultiModalProcessor:
         return tokenizer.convert_ids_to_tokens(self.image_token_id)
 
     def preprocess(self, images: Sequence[Any], field: str) -> list[dict[str, np.ndarray]]:
-        """Each image's encoder inputs: ``{"pixel_values": [3, H, W]}`` (LLaVA), or Qwen2-VL's flattened patches
-        ``{"pixel_values": [t * h * w, C * T * P * P], "image_grid_thw": [3]}``."""
+        """Each image's encoder inputs: ``{"pixel_values": [3, H, W]}`` (LLaVA), its crops and size
+        ``{"pixel_values": [num_crops, 3, H, W], "image_sizes": [2]}`` (LLaVA-NeXT: height, width), or Qwen2-VL's
+        flattened patches ``{"pixel_values": [t * h * w, C * T * P * P], "image_grid_thw": [3]}``."""
         try:
             out = self.image_processor(images=list(images), return_tensors="np")
         except Exception as e:  # noqa: BLE001 - a processor failure is the input's fault here
@@ -140,17 +204,26 @@ class MultiModalProcessor:
                 {"pixel_values": pixels[starts[i] : starts[i + 1]], "image_grid_thw": grids[i]}
                 for i in range(len(grids))
             ]
-        if pixels.ndim != 4 or pixels.shape[-2:] != (self.image_size, self.image_size):
+        expected_ndim = 5 if self.is_llava_next else 4  # LLaVA-NeXT: [num_images, most crops, 3, H, W]
+        if pixels.ndim != expected_ndim or pixels.shape[-2:] != (self.image_size, self.image_size):
             raise ValueError(
                 f"{field}: the image processor returned pixel values of shape {tuple(pixels.shape)}; the vision "
                 f"tower takes {self.image_size}x{self.image_size}"
             )
+        if self.is_llava_next:  # each image's crops, then zeros up to the most crops any image has
+            image_sizes = np.asarray(out["image_sizes"], dtype=np.int64)  # [num_images, 2] height, width
+            return [
+                {"pixel_values": p[: llava_next_num_tiles(self.hf_config, *map(int, hw))], "image_sizes": hw}
+                for p, hw in zip(pixels, image_sizes)
+            ]
         return [{"pixel_values": p} for p in pixels]
 
     def num_tokens(self, data: dict[str, np.ndarray]) -> int:
         """Embeddings the encoder makes for one preprocessed image."""
         if self.is_qwen2_vl:
             return int(np.prod(data["image_grid_thw"])) // (self.merge_size**2)
+        if self.is_llava_next:
+            return llava_next_num_image_tokens(self.hf_config, *(int(x) for x in data["image_sizes"]))
         return self.num_image_tokens
 
     def process(
