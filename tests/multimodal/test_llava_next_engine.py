@@ -66,12 +66,15 @@ def test_matches_transformers(tiny_llava_next: str, max_num_batched_tokens) -> N
 
 
 def test_prefix_hit_on_a_repeated_image(tiny_llava_next: str) -> None:
+    """The same image hits the prefix cache; another (wide: 1x2 tiles, the third layout) misses from its first
+    block."""
     prompt = "hello <image> world and the rest"
+    wide = tiny_image(12, (60, 20))
     with LLM(tiny_llava_next, **ENGINE) as llm:
         runner = _core(llm).runner.encoder_runner
         first = llm.generate(_mm(prompt, [tiny_image(11)]), GREEDY, use_tqdm=False)[0]
         again = llm.generate(_mm(prompt, [tiny_image(11)]), GREEDY, use_tqdm=False)[0]
-        other = llm.generate(_mm(prompt, [tiny_image(12)]), GREEDY, use_tqdm=False)[0]
+        other = llm.generate(_mm(prompt, [wide]), GREEDY, use_tqdm=False)[0]
         ids = first.prompt_token_ids
         image_start = ids.index(llm.get_tokenizer().convert_tokens_to_ids("<image>"))
         assert again.num_cached_tokens == (len(ids) - 1) // 4 * 4
@@ -80,7 +83,7 @@ def test_prefix_hit_on_a_repeated_image(tiny_llava_next: str) -> None:
         assert again.outputs[0].token_ids == first.outputs[0].token_ids
         _assert_clean(llm)
     _check_against_hf(tiny_llava_next, first, prompt, [tiny_image(11)])
-    _check_against_hf(tiny_llava_next, other, prompt, [tiny_image(12)])
+    _check_against_hf(tiny_llava_next, other, prompt, [wide])
 
 
 @pytest.mark.parametrize(
