@@ -221,6 +221,9 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         self.config = config
         vision_config = sub_config(config, "vision_config")
         text_config = sub_config(config, "text_config")
+        tied = getattr(config, "tie_word_embeddings", None)
+        if tied is not None:  # the outer config decides, as in transformers (its text config may not say)
+            text_config.tie_word_embeddings = bool(tied)
         self.spatial_merge_size = int(vision_config.spatial_merge_size)
         self.visual = self.vision_tower_cls(vision_config)
         self.language_model = Qwen2VLTextForCausalLM(text_config, attn_backend)

@@ -52,3 +52,25 @@ def test_transformers5_checkpoint_names_load(tiny_qwen2_5_vl: str, tmp_path) -> 
     with LLM(path, **ENGINE) as other:
         out = other.generate(_prompt(prompt, images), GREEDY, use_tqdm=False)[0]
     _check(tiny_qwen2_5_vl, out, prompt, images)
+
+
+def test_tied_word_embeddings(tiny_qwen2_5_vl: str, tmp_path) -> None:
+    """Small Qwen2-VL / Qwen2.5-VL checkpoints tie the LM head to the embeddings (``tie_word_embeddings`` on the outer
+    config, no ``lm_head.weight``): the text model ties them too."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    path = _resave_with_names(tiny_qwen2_5_vl, tmp_path / "tied", lambda name: name)
+    weights = load_file(f"{path}/model.safetensors")
+    del weights["lm_head.weight"]
+    save_file(weights, f"{path}/model.safetensors")
+    with open(f"{path}/config.json", encoding="utf-8") as f:
+        config = json.load(f)
+    config["tie_word_embeddings"] = True
+    with open(f"{path}/config.json", "w", encoding="utf-8") as f:
+        json.dump(config, f)
+    prompt, images = CASES[0]
+    with LLM(path, **ENGINE) as llm:
+        out = llm.generate(_prompt(prompt, images), GREEDY, use_tqdm=False)[0]
+    _check(path, out, prompt, images)
