@@ -255,7 +255,8 @@ def install_lora_layers(
 ) -> dict[str, LoRALinearMethod]:
     """Wrap the ``quant_method`` of every LoRA-capable layer (once); return the wrappers by module name.
 
-    Slot weights are allocated on the layer's device in ``dtype`` (default: the model's float dtype).
+    Slot weights are allocated on ``mapping.device`` (the model's device, also for layers whose weights weight
+    offload keeps in host memory) in ``dtype`` (default: the model's float dtype).
     """
     if dtype is None:
         dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
@@ -263,8 +264,9 @@ def install_lora_layers(
     for name, layer in lora_layers(model).items():
         if isinstance(layer.quant_method, LoRALinearMethod):
             raise ValueError(f"LoRA layers are already installed on {name}")
-        device = next(t.device for t in layer.parameters() if t.device.type != "meta")
-        method = LoRALinearMethod(layer.quant_method, layer, mapping, max_loras, max_lora_rank, dtype, device)
+        method = LoRALinearMethod(
+            layer.quant_method, layer, mapping, max_loras, max_lora_rank, dtype, mapping.device
+        )
         layer.quant_method = method
         methods[name] = method
     if not methods:
