@@ -30,7 +30,8 @@ import contextlib
 import glob
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -42,7 +43,11 @@ from pagedllm.distributed.pipeline import PPMissingLayer
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.embedding import LMHead
 from pagedllm.layers.linear import Linear, default_weight_loader, deferred_linear_weights
+from pagedllm.layers.placement import layers_on_host
 from pagedllm.models.registry import get_model_class, get_pooling_model_class
+
+if TYPE_CHECKING:
+    from pagedllm.worker.weight_offload import WeightOffloader
 
 # Checkpoint tensors that are derived state, not weights: skipped silently.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
@@ -64,12 +69,15 @@ def get_model(
     attn_backend: AttentionBackend,
     tp: TPGroup | None = None,
     pp: PPGroup | None = None,
+    weight_offload: WeightOffloader | None = None,
 ) -> nn.Module:
     """Instantiate ``hf_config.architectures[0]`` in ``model_config.dtype`` on ``device``, load weights, eval().
 
     ``tp``: this rank's tensor-parallel group (one rank when None); the config is checked against its size
     first (``ValueError`` naming the field that does not split). ``pp``: this rank's pipeline stage (the whole
-    model when None); ``ValueError`` naming ``pipeline_parallel_size`` when the architecture cannot be split."""
+    model when None); ``ValueError`` naming ``pipeline_parallel_size`` when the architecture cannot be split.
+    ``weight_offload`` (``cpu_offload_gb``): the decoder layers it chooses (from a build on the meta device) are
+    built, loaded and kept in host memory, never whole on ``device`` (pagedllm/worker/weight_offload.py)."""
     hf_config = model_config.hf_config
     architectures = getattr(hf_config, "architectures", None) or []
     if not architectures:
@@ -78,7 +86,6 @@ def get_model(
         model_cls = get_pooling_model_class(architectures[0])
     else:
         model_cls = get_model_class(architectures[0])
-    quant_config = getattr(model_config, "quant_config", None)
     tp_kwargs = {}
     if tp is not None and tp.size > 1:
         verify_tp_config(hf_config, tp.size)  # quantized methods check their packed sizes per rank
@@ -86,29 +93,67 @@ def get_model(
     if pp is not None and pp.size > 1:
         verify_pp_config(hf_config, pp.size, pp.partition)
         tp_kwargs["pp"] = pp
+    if weight_offload is not None:
+        meta_model = _build_model(model_cls, model_config, attn_backend, tp_kwargs, torch.device("meta"))
+        weight_offload.plan(meta_model)
+        del meta_model
+    with layers_on_host(weight_offload.planned if weight_offload is not None else ()):
+        model = _build_model(
+            model_cls,
+            model_config,
+            attn_backend,
+            tp_kwargs,
+            device,
+            weight_offload.planned_modules if weight_offload is not None else (),
+        )
+    if weight_offload is not None:
+        weight_offload.adopt(model)  # before loading: the checkpoint is written into the host buffers
+    if model_config.load_format == "dummy":
+        init_dummy_weights(model, model_config.seed, device=device)
+    else:
+        load_weights(model, iter_safetensors(model_config.model_path))
+    if weight_offload is None:
+        process_weights_after_loading(model)
+    else:
+        process_weights_after_loading(model, skip=[layer.module for layer in weight_offload.layers])
+        weight_offload.process(model, process_weights_after_loading)  # one layer at a time on the device
+        weight_offload.start()
+    return model.eval()
+
+
+def _build_model(
+    model_cls: type[nn.Module],
+    model_config: ModelConfig,
+    attn_backend: AttentionBackend,
+    tp_kwargs: dict,
+    device: torch.device,
+    host_modules: Sequence[str] = (),
+) -> nn.Module:
+    """The model with its parameters allocated (not filled) on ``device``; the modules named in ``host_modules``
+    (decoder layers weight offload keeps on the host: ``layers_on_host`` is active) get host parameters."""
+    hf_config = model_config.hf_config
+    quant_config = getattr(model_config, "quant_config", None)
     # A multimodal model is built from its whole config (vision tower, projector, text model).
     build_config = getattr(model_config, "mm_hf_config", None) or hf_config
     with _default_dtype(model_config.dtype), torch.device(device):
         if quant_config is None:
-            model = model_cls(build_config, attn_backend, **tp_kwargs)
-        else:
-            from pagedllm.quantization import quantize_model
+            return model_cls(build_config, attn_backend, **tp_kwargs)
+        from pagedllm.quantization import quantize_model
 
-            with deferred_linear_weights():
-                model = model_cls(hf_config, attn_backend, **tp_kwargs)
-            quantize_model(model, quant_config)
-    if model_config.load_format == "dummy":
-        init_dummy_weights(model, model_config.seed)
-    else:
-        load_weights(model, iter_safetensors(model_config.model_path))
-    process_weights_after_loading(model)
-    return model.eval()
+        with deferred_linear_weights():
+            model = model_cls(hf_config, attn_backend, **tp_kwargs)
+        quantize_model(model, quant_config, host_modules=host_modules)
+        return model
 
 
-def process_weights_after_loading(model: nn.Module) -> None:
+def process_weights_after_loading(model: nn.Module, skip: Sequence[nn.Module] = ()) -> None:
     """Once the checkpoint is in: each linear method's post-processing (quantized layouts; on CPU, the
-    oneDNN-packed copies of ``layers/cpu_gemm.py``), and the LM head's packing."""
+    oneDNN-packed copies of ``layers/cpu_gemm.py``), and the LM head's packing. Modules in ``skip`` (and all
+    under them) are left out."""
+    skipped = {id(m) for root in skip for m in root.modules()}
     for module in model.modules():
+        if id(module) in skipped:
+            continue
         if isinstance(module, Linear):
             module.quant_method.process_weights_after_loading(module)
         elif isinstance(module, LMHead):
@@ -270,11 +315,20 @@ def load_tensor(
 
 
 @torch.no_grad()
-def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
+def init_dummy_weights(
+    model: nn.Module, seed: int, std: float = 0.02, device: torch.device | str | None = None
+) -> None:
     """Random weights, deterministic per ``seed`` and device: N(0, std) matrices, zero biases, unit norms.
 
     Quantized parameters: random bits for packed integers, N(0, 1) FP8 weights, ``std / 4`` scales (about ``std``
-    dequantized); ``optional`` ones (GPTQ's ``g_idx``) keep their valid initial value."""
+    dequantized); ``optional`` ones (GPTQ's ``g_idx``) keep their valid initial value.
+
+    ``device``: the model's device. Parameters held elsewhere (offloaded decoder layers in host memory) are drawn
+    on it from the same generator, in the same order, and copied over: the values do not depend on which layers
+    are offloaded. None: each parameter is drawn where it lives."""
+    draw_device = None if device is None else torch.device(device)
+    if draw_device is not None and draw_device.type == "cuda" and draw_device.index is None:
+        draw_device = torch.device("cuda", torch.cuda.current_device())
     generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
         if "scale" in name.rsplit(".", 1)[-1]:
@@ -285,12 +339,17 @@ def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
         if param.dim() == 1:
             param.fill_(1.0 if "norm" in name else 0.0)
             continue
-        gen = generators.get(param.device)
+        target = param
+        if draw_device is not None and param.device.type != draw_device.type:
+            target = torch.empty_like(param, device=draw_device)  # one parameter at a time on the device
+        gen = generators.get(target.device)
         if gen is None:
-            gen = generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
-        if not param.is_floating_point():
-            param.random_(-(2**31), 2**31 - 1, generator=gen)
-        elif param.dtype.itemsize == 1:  # float8: no normal_ kernel
-            param.copy_(torch.randn(param.shape, generator=gen, device=param.device))
+            gen = generators[target.device] = torch.Generator(device=target.device).manual_seed(seed)
+        if not target.is_floating_point():
+            target.random_(-(2**31), 2**31 - 1, generator=gen)
+        elif target.dtype.itemsize == 1:  # float8: no normal_ kernel
+            target.copy_(torch.randn(target.shape, generator=gen, device=target.device))
         else:
-            param.normal_(0.0, std, generator=gen)
+            target.normal_(0.0, std, generator=gen)
+        if target is not param:
+            param.copy_(target)

@@ -23,6 +23,7 @@ from pagedllm.layers.attention import Attention
 from pagedllm.layers.embedding import LMHead, VocabEmbedding
 from pagedllm.layers.linear import MergedLinear, QKVLinear, RowParallelLinear, act_then_linear
 from pagedllm.layers.norm import RMSNorm
+from pagedllm.layers.placement import decoder_layer_device
 from pagedllm.layers.rotary import RotaryEmbedding, get_rope, rope_config, rotary_dim_of
 from pagedllm.platform import use_fused_kernels
 
@@ -232,6 +233,12 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden)
 
 
+def _build_layer(make_layer: Callable[[int], nn.Module], index: int) -> nn.Module:
+    """``make_layer(index)``, in host memory when weight offload keeps that layer there (layers/placement.py)."""
+    with decoder_layer_device(index):
+        return make_layer(index)
+
+
 class LlamaModel(nn.Module):
     norm_cls: type[RMSNorm] = RMSNorm
     aux_hidden_state_layers: tuple[int, ...] = ()  # set on the instance for an EAGLE-3 draft
@@ -275,7 +282,7 @@ class LlamaModel(nn.Module):
         """Set ``embed_tokens``, ``layers`` and ``norm`` for this pipeline stage (the whole model when ``pp`` is
         None): ``make_layer(i)`` builds the stage's decoder layers, ``PPMissingLayer`` stands for the others; the
         first stage holds the embedding, the last the final norm (``norm_cls``) and, when tied, the embedding its
-        LM head reads."""
+        LM head reads. A layer weight offload keeps in host memory is built there (``layers/placement.py``)."""
         pp = PPGroup.single() if pp is None else pp
         self.start_layer, self.end_layer = pp.layer_range(config.num_hidden_layers)
         self.is_last_stage = pp.is_last
@@ -285,7 +292,7 @@ class LlamaModel(nn.Module):
         else:
             self.embed_tokens = PPMissingLayer()
         self.layers = nn.ModuleList(
-            make_layer(i) if self.start_layer <= i < self.end_layer else PPMissingLayer()
+            _build_layer(make_layer, i) if self.start_layer <= i < self.end_layer else PPMissingLayer()
             for i in range(config.num_hidden_layers)
         )
         norm_cls = self.norm_cls

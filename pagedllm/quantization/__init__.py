@@ -12,11 +12,15 @@ float-quantized), ``gptq`` (4-bit symmetric), ``awq`` (4-bit GEMM). One file eac
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Collection
 from typing import Any
 
+import torch
 from torch import nn
 
 from pagedllm.layers.linear import Linear
+from pagedllm.layers.placement import HOST
 from pagedllm.quantization.awq import AWQConfig
 from pagedllm.quantization.base import QuantizationConfig
 from pagedllm.quantization.compressed_tensors import CompressedTensorsConfig
@@ -90,10 +94,14 @@ def _checkpoint_names(prefix: str, layer: Linear, packed: dict[str, list[str]]) 
     return [prefix]
 
 
-def quantize_model(model: nn.Module, quant_config: QuantizationConfig) -> None:
-    """Give every ``Linear`` of ``model`` its method's parameters (current default dtype and device); layers the
+def quantize_model(
+    model: nn.Module, quant_config: QuantizationConfig, host_modules: Collection[str] = ()
+) -> None:
+    """Give every ``Linear`` of ``model`` its method's parameters (current default dtype and device; in host memory
+    under the modules named in ``host_modules``: the decoder layers weight offload keeps there); layers the
     config leaves out get float weights. Run right after building the model, before loading weights."""
     packed = getattr(model, "packed_modules_mapping", {})
+    host_modules = set(host_modules)
     for prefix, module in model.named_modules():
         if not isinstance(module, Linear):
             continue
@@ -102,4 +110,7 @@ def quantize_model(model: nn.Module, quant_config: QuantizationConfig) -> None:
             from pagedllm.layers.linear import UnquantizedLinearMethod
 
             method = UnquantizedLinearMethod()
-        module.set_linear_method(method)
+        parts = prefix.split(".")
+        on_host = any(".".join(parts[:i]) in host_modules for i in range(1, len(parts)))
+        with torch.device(HOST) if on_host else contextlib.nullcontext():
+            module.set_linear_method(method)

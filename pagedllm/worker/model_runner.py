@@ -31,7 +31,7 @@ from pagedllm.worker.cuda_graphs import CudaGraphRunner
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.piecewise_graphs import PiecewiseGraphRunner, piecewise_sizes
 from pagedllm.worker.spec_step import collect_spec, sample_spec
-from pagedllm.worker.weight_offload import maybe_offload
+from pagedllm.worker.weight_offload import loaded_offloader, new_offloader
 
 logger = logging.getLogger(__name__)
 
@@ -88,16 +88,18 @@ class ModelRunner:
         torch.manual_seed(mc.seed)
         t0 = time.perf_counter()
         self.pp = pp if pp is not None and pp.size > 1 else None  # None: the whole model here
-        self.model = get_model(mc, self.device, self.attn_backend, tp=tp, pp=self.pp)
+        # cpu_offload_gb: the layers it keeps in host memory are built and loaded there (never whole on the device),
+        # so a model larger than the device loads; the rest of the device memory goes to the KV cache.
+        offload_gb = getattr(config, "cpu_offload_gb", 0)
+        offload = new_offloader(offload_gb, self.device)
+        self.model = get_model(mc, self.device, self.attn_backend, tp=tp, pp=self.pp, weight_offload=offload)
+        self.weight_offload = loaded_offloader(offload, offload_gb)
         self.tp_size = 1 if tp is None else tp.size
         self.num_kv_heads = local_num_kv_heads(mc.num_kv_heads, self.tp_size)  # this rank's
         logger.info(
             "loaded %s in %.2fs (%s, %s)", mc.model, time.perf_counter() - t0, self.dtype, self.device
         )
         self.lora_manager = self._make_lora_manager()  # before the KV cache is sized: slots take memory
-        # cpu_offload_gb: after LoRA (its slots are allocated where the layer's weights are) and before the KV cache
-        # is sized (the offloaded weights' memory goes to it).
-        self.weight_offload = maybe_offload(self.model, getattr(config, "cpu_offload_gb", 0), self.device)
         self.sampler = Sampler()
         self.max_blocks_per_req = _cdiv(self.max_model_len, self.block_size)
         self.kv_layout = self._plan_kv_layout()  # the engine core's KV cache manager keeps these groups
@@ -149,6 +151,7 @@ class ModelRunner:
             max_num_tokens=max(self.max_num_tokens, self.max_num_reqs),  # CUDA graphs pad to max_num_seqs
             max_cpu_loras=lc.max_cpu_loras,
             dtype=self.dtype,
+            device=self.device,  # offloaded layers' weights are in host memory; their adapter slots are not
         )
 
     def _lora_mapping(self, rows: np.ndarray, num_sched: np.ndarray) -> None:

@@ -3,13 +3,30 @@ the device for every forward pass, so that a model larger than the device's memo
 
 Which layers: from the first decoder layer on, every whole layer while the bytes offloaded so far fit the budget
 (``plan_offload``; per rank: each tensor-parallel rank offloads its own shard, each pipeline stage its own layers).
-A layer's offloaded tensors are its parameters (float or quantized, as they are after loading) and any buffer that
-shares their storage (an MoE layer's stacked experts); a storage also used outside the layer (a rotary table every
-layer shares) stays on the device. Adapter slots of LoRA layers are not parameters of the layer: they stay too.
+A layer's offloaded tensors are its parameters (float or quantized) and any buffer that shares their storage (an
+MoE layer's stacked experts); a storage also used outside the layer (a rotary table every layer shares) stays on
+the device. Adapter slots of LoRA layers are not parameters of the layer: they stay too.
+
+Loading (``model_loader.get_model``), so that a model larger than the device starts:
+
+1. ``plan``: the model is built once on the meta device (no memory) and the layers are chosen from the sizes of
+   their storages as built (before post-load processing; for the formats here that does not change a size).
+2. The real model is built with those layers in host memory (``layers/placement.py``: ``LlamaModel.build_stage``
+   builds them there, ``quantize_model`` gives their linear layers host parameters); the rest on the device.
+3. ``adopt``: each chosen layer's storages move into its host buffer (pinned on CUDA; the layout below) and the
+   layer's tensors become views of it; anything else the layer built on the host (a buffer of its own) goes to
+   the device. The checkpoint (or dummy values) is then written straight into the host buffers.
+4. ``process``: post-load processing (quantized layouts, ...) runs one layer at a time: the layer's storages are
+   copied to the device, processed there, and copied back into its host buffer. The device thus holds at most one
+   offloaded layer beyond the resident part while loading; then ``start`` allocates the staging slots.
+
+Host memory while loading: the chosen layers are built as ordinary host tensors, then moved into the pinned
+buffers one pinned allocation at a time, so the host briefly holds the offloaded bytes plus one pinned allocation.
 
 Layout. Each offloaded layer's storages are copied, byte for byte, into one host buffer (pinned on CUDA, where
-consecutive layers' buffers share allocations: ``host_buffers``), each storage at a 512-byte aligned offset; the device keeps ``num_slots`` staging buffers of the largest layer's size, with the same
-layout. Layer ``k`` (in offload order) uses slot ``k % num_slots``::
+consecutive layers' buffers share allocations: ``host_buffers``), each storage at a 512-byte aligned offset; the
+device keeps ``num_slots`` staging buffers of the largest layer's size, with the same layout. Layer ``k`` (in
+offload order) uses slot ``k % num_slots``::
 
     host:     layer 0 [qkv | o | gate_up | down | norms]   layer 1 [...]   layer 2 [...]   ...
     device:   slot 0 [layer 0, 2, 4, ...]   slot 1 [layer 1, 3, 5, ...]
@@ -37,7 +54,7 @@ copy (``layers/cpu_gemm.py``: a packed copy would be a second resident copy of t
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,6 +86,20 @@ def _view_like(t: torch.Tensor, buffer: torch.Tensor, byte_offset: int) -> torch
     )
 
 
+def _rebased(t: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, byte_shift: int = 0) -> torch.Tensor:
+    """``t`` (a view into the uint8 buffer ``src``) at the same byte position, less ``byte_shift``, of ``dst``."""
+    elem = t.element_size()
+    position = t.storage_offset() * elem - src.storage_offset() - byte_shift  # bytes into ``src``
+    return torch.empty(0, dtype=t.dtype, device=dst.device).set_(
+        dst.untyped_storage(), (dst.storage_offset() + position) // elem, t.size(), t.stride()
+    )
+
+
+def _storage_key(storage: torch.UntypedStorage) -> int:
+    """Identity of a storage: its address, or (meta device, where every address is 0) the storage itself."""
+    return storage._cdata if storage.device.type == "meta" else storage.data_ptr()
+
+
 def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
     """``(name, module list)`` of the model's decoder layers (``model.layers`` of every generating family);
     ``ValueError`` naming ``cpu_offload_gb`` when the model has none."""
@@ -82,35 +113,47 @@ def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
 
 def _layer_storages(model: nn.Module, prefix: str, num_layers: int) -> list[list[torch.UntypedStorage]]:
     """Per layer, the storages it may offload (first use order): those holding a parameter of the layer and no
-    tensor outside it."""
-    owners: dict[int, set[int | None]] = {}  # storage data_ptr -> layer indices (None: outside every layer)
+    tensor outside it. Works on a model built on the meta device too (sizes only)."""
+    owners: dict[int, set[int | None]] = {}  # storage key -> layer indices (None: outside every layer)
     storages: dict[int, torch.UntypedStorage] = {}
     holds_param: set[int] = set()
     lead = prefix + "."
     named = [(n, t, True) for n, t in model.named_parameters(remove_duplicate=False)]
     named += [(n, t, False) for n, t in model.named_buffers(remove_duplicate=False)]
     for name, t, is_param in named:
-        if t.device.type == "meta":
-            continue
         storage = t.untyped_storage()
         if storage.nbytes() == 0:
             continue
-        ptr = storage.data_ptr()
+        key = _storage_key(storage)
         layer: int | None = None
         if name.startswith(lead):
             head = name[len(lead) :].split(".", 1)[0]
             layer = int(head) if head.isdigit() else None
-        owners.setdefault(ptr, set()).add(layer)
-        storages.setdefault(ptr, storage)
+        owners.setdefault(key, set()).add(layer)
+        storages.setdefault(key, storage)
         if is_param and layer is not None:
-            holds_param.add(ptr)
+            holds_param.add(key)
     per_layer: list[list[torch.UntypedStorage]] = [[] for _ in range(num_layers)]
-    for ptr, who in owners.items():
-        if ptr in holds_param and len(who) == 1:
+    for key, who in owners.items():
+        if key in holds_param and len(who) == 1:
             (layer,) = who
             if layer is not None and layer < num_layers:
-                per_layer[layer].append(storages[ptr])
+                per_layer[layer].append(storages[key])
     return per_layer
+
+
+def _tensors_by_storage(model: nn.Module, prefix: str) -> dict[int, list[torch.Tensor]]:
+    """storage key (``_storage_key``) -> the distinct parameter and buffer objects of the decoder layers over it."""
+    out: dict[int, list[torch.Tensor]] = {}
+    seen: set[int] = set()
+    lead = prefix + "."
+    items = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+    for name, t in items:
+        if not name.startswith(lead) or id(t) in seen:
+            continue
+        seen.add(id(t))
+        out.setdefault(_storage_key(t.untyped_storage()), []).append(t)
+    return out
 
 
 def layer_offload_bytes(storages: Sequence[torch.UntypedStorage]) -> int:
@@ -151,111 +194,181 @@ def host_buffers(sizes: Sequence[int], pin: bool) -> list[torch.Tensor]:
     """One ``[size]`` uint8 host buffer per layer. Pinned ones are views of a few larger allocations: torch's pinned
     allocator rounds every allocation up to a power of two (a 0.41 GiB Llama-3.1-8B layer would pin 0.5 GiB), so
     consecutive layers share allocations, as many per allocation as wastes the least in total."""
+    return [buffer for group in _host_buffer_groups(sizes, pin) for buffer in group()]
+
+
+def _host_buffer_groups(sizes: Sequence[int], pin: bool) -> list[Callable[[], list[torch.Tensor]]]:
+    """``host_buffers`` one allocation at a time: per allocation, a function that makes it and returns its
+    layers' buffers (so a loader can allocate each when it gets there)."""
+    group = pinned_group_size(sizes) if pin and sizes else 1
+
+    def allocate(chunk: Sequence[int]) -> list[torch.Tensor]:
+        arena = torch.empty(sum(chunk), dtype=torch.uint8, pin_memory=pin)
+        offsets = [sum(chunk[:j]) for j in range(len(chunk))]
+        return [arena[o : o + n] for o, n in zip(offsets, chunk)]
+
     if not pin:
-        return [torch.empty(n, dtype=torch.uint8) for n in sizes]
-    best = pinned_group_size(sizes)
-    out = []
-    for i in range(0, len(sizes), best):
-        chunk = sizes[i : i + best]
-        arena = torch.empty(sum(chunk), dtype=torch.uint8, pin_memory=True)
-        offset = 0
-        for n in chunk:
-            out.append(arena[offset : offset + n])
-            offset += n
-    return out
+        return [lambda n=n: [torch.empty(n, dtype=torch.uint8)] for n in sizes]
+    return [lambda c=sizes[i : i + group]: allocate(c) for i in range(0, len(sizes), group)]
 
 
 @dataclass
 class _Layer:
     index: int  # decoder layer index
     module: nn.Module
-    nbytes: int
-    host: torch.Tensor  # [nbytes] uint8 (pinned on CUDA: a view of an allocation other layers share)
-    slot: int
+    nbytes: int  # bytes of the layout (the first ``nbytes`` of ``host`` and of its staging slot)
+    host: torch.Tensor  # [>= nbytes] uint8 (pinned on CUDA: a view of an allocation other layers share)
+    slot: int = 0
     tensors: list[torch.Tensor] = field(default_factory=list)  # the layer's params / buffers over offloaded storages
     host_views: list[torch.Tensor] = field(default_factory=list)  # each one's view of ``host``
+    segments: list[tuple[int, int]] = field(default_factory=list)  # (byte offset, nbytes) of each storage
     staged_views: list[torch.Tensor] = field(default_factory=list)  # each one's view of its staging slot
     ready: Any = None  # torch.cuda.Event: this layer's copy into its slot is done
 
 
 class WeightOffloader:
-    """Offloads one rank's decoder layers (see the module docstring) and streams them back at forward time."""
+    """Offloads one rank's decoder layers (see the module docstring) and streams them back at forward time.
 
-    def __init__(self, model: nn.Module, budget_bytes: int, device: torch.device) -> None:
+    Used by the loader in four steps: ``plan`` (on a meta build), ``adopt`` (after the real build), ``process``
+    (post-load processing, one layer at a time on the device), ``start`` (staging slots and hooks)."""
+
+    def __init__(self, budget_bytes: int, device: torch.device) -> None:
+        self.budget_bytes = budget_bytes
         self.device = device
         self.cuda = device.type == "cuda"
-        prefix, module_list = decoder_layers(model)
-        per_layer = _layer_storages(model, prefix, len(module_list))
-        sizes = [layer_offload_bytes(s) for s in per_layer]
-        chosen = plan_offload(sizes, budget_bytes)
+        self.planned: list[int] = []  # decoder layer indices chosen by ``plan``
+        self.layer_prefix = ""  # the decoder layer list's module name (``model.layers``)
         self.layers: list[_Layer] = []
         self.staging: list[torch.Tensor] = []  # [num_slots] each [slot_bytes] uint8 on the device
+        self.num_slots = 0
         self.copy_stream: Any = None
         self._pending: int | None = None  # offload position of the layer whose copy was queued ahead
         self._handles: list[Any] = []
-        if not chosen:
+
+    # ------------------------------------------------------------------ loading
+
+    def plan(self, model: nn.Module) -> list[int]:
+        """Choose the layers to offload from ``model``'s storage sizes (a build on the meta device is enough)."""
+        self.layer_prefix, module_list = decoder_layers(model)
+        per_layer = _layer_storages(model, self.layer_prefix, len(module_list))
+        self.planned = plan_offload([layer_offload_bytes(s) for s in per_layer], self.budget_bytes)
+        return self.planned
+
+    @property
+    def planned_modules(self) -> list[str]:
+        """Module names of the planned layers (``model.layers.0``, ...)."""
+        return [f"{self.layer_prefix}.{i}" for i in self.planned]
+
+    @torch.no_grad()
+    def adopt(self, model: nn.Module) -> None:
+        """Move each planned layer's offloaded storages into its host buffer (its tensors become views of it) and
+        the rest of the layer to the device. Right after the real build, before weights are written."""
+        prefix, module_list = decoder_layers(model)
+        per_layer = _layer_storages(model, prefix, len(module_list))
+        chosen = [i for i in self.planned if per_layer[i]]
+        sizes = [layer_offload_bytes(per_layer[i]) for i in chosen]
+        tensors_of = _tensors_by_storage(model, prefix)
+        k = 0
+        for allocate in _host_buffer_groups(sizes, pin=self.cuda):  # one pinned allocation at a time
+            for host in allocate():
+                index = chosen[k]
+                layer = _Layer(index, module_list[index], sizes[k], host)
+                self._pack(layer, per_layer[index], tensors_of)
+                per_layer[index] = []  # the storages it was built in go now
+                self._keep_rest_on_device(layer)
+                self.layers.append(layer)
+                k += 1
+
+    @torch.no_grad()
+    def process(self, model: nn.Module, process_fn: Callable[[nn.Module], None]) -> None:
+        """Run ``process_fn`` (post-load processing) on each offloaded layer in turn, on the device: its storages
+        are copied there, processed, and copied back into its host buffer (a larger one when processing grew
+        them), so the device holds one offloaded layer at a time."""
+        for layer in self.layers:
+            self._process_layer(model, layer, process_fn)  # its device copies are gone when this returns
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def _process_layer(self, model: nn.Module, layer: _Layer, process_fn: Callable[[nn.Module], None]) -> None:
+        prefix, module_list = decoder_layers(model)
+        self._to_device(layer)
+        process_fn(layer.module)
+        storages = _layer_storages(model, prefix, len(module_list))[layer.index]
+        nbytes = layer_offload_bytes(storages)
+        if nbytes > layer.host.numel():
+            logger.info("cpu_offload_gb: layer %d grew in processing; a host buffer of its own", layer.index)
+            (layer.host,) = host_buffers([nbytes], pin=self.cuda)
+        layer.nbytes = nbytes
+        self._pack(layer, storages, _tensors_by_storage(model, prefix))
+
+    def start(self) -> None:
+        """Allocate the staging slots and hook the offloaded layers (after ``process``)."""
+        if not self.layers:
             return
-        self.num_slots = 2 if self.cuda and len(chosen) > 1 else 1
-        slot_bytes = max(sizes[i] for i in chosen)
-        self.staging = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(self.num_slots)]
+        self.num_slots = 2 if self.cuda and len(self.layers) > 1 else 1
+        slot_bytes = max(layer.nbytes for layer in self.layers)
+        self.staging = [torch.empty(slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(self.num_slots)]
         if self.cuda:
-            self.copy_stream = torch.cuda.Stream(device)
-        tensors_of = self._tensors_by_storage(model, prefix)
-        hosts = host_buffers([sizes[i] for i in chosen], pin=self.cuda)
-        for k, i in enumerate(chosen):
-            self.layers.append(self._offload(k, i, module_list[i], per_layer[i], hosts[k], tensors_of))
-        if self.cuda:
-            torch.cuda.synchronize(device)
+            self.copy_stream = torch.cuda.Stream(self.device)
         for k, layer in enumerate(self.layers):
+            layer.slot = k % self.num_slots
+            layer.staged_views = [_rebased(v, layer.host, self.staging[layer.slot]) for v in layer.host_views]
+            if self.cuda:
+                layer.ready = torch.cuda.Event()
             self._handles.append(layer.module.register_forward_pre_hook(self._pre_hook(k)))
             self._handles.append(layer.module.register_forward_hook(self._post_hook(k), always_call=True))
 
-    @staticmethod
-    def _tensors_by_storage(model: nn.Module, prefix: str) -> dict[int, list[torch.Tensor]]:
-        """storage data_ptr -> the distinct parameter and buffer objects of the decoder layers over it."""
-        out: dict[int, list[torch.Tensor]] = {}
-        seen: set[int] = set()
-        lead = prefix + "."
-        items = list(model.named_parameters(remove_duplicate=False)) + list(
-            model.named_buffers(remove_duplicate=False)
-        )
-        for name, t in items:
-            if not name.startswith(lead) or id(t) in seen or t.device.type == "meta":
-                continue
-            seen.add(id(t))
-            out.setdefault(t.untyped_storage().data_ptr(), []).append(t)
-        return out
-
-    @torch.no_grad()
-    def _offload(
-        self,
-        k: int,
-        index: int,
-        module: nn.Module,
-        storages: list[torch.UntypedStorage],
-        host: torch.Tensor,
-        tensors_of: dict[int, list[torch.Tensor]],
-    ) -> _Layer:
-        layer = _Layer(index, module, host.numel(), host, slot=k % self.num_slots)
-        staging = self.staging[layer.slot]
+    def _pack(
+        self, layer: _Layer, storages: list[torch.UntypedStorage], tensors_of: dict[int, list[torch.Tensor]]
+    ) -> None:
+        """Copy ``storages`` into ``layer.host`` (the layout) and point their tensors at it."""
+        host = layer.host
+        layer.tensors, layer.host_views, layer.segments = [], [], []
         offset = 0
         for storage in storages:
             n = storage.nbytes()
             host[offset : offset + n].copy_(_byte_view(storage, n))
-            for t in tensors_of[storage.data_ptr()]:
+            for t in tensors_of[_storage_key(storage)]:
                 layer.tensors.append(t)
                 layer.host_views.append(_view_like(t, host, offset))
-                layer.staged_views.append(_view_like(t, staging, offset))
+            layer.segments.append((offset, n))
             offset += _aligned(n)
         for t, host_view in zip(layer.tensors, layer.host_views):
-            t.data = host_view  # the device storage goes once nothing else holds it
+            t.data = host_view  # the old storage goes once nothing else holds it
             setattr(t, OFFLOADED_ATTR, True)
-        for m in module.modules():  # a packed CPU copy would be a second resident copy of the weight
+        for m in layer.module.modules():  # a packed CPU copy would be a second resident copy of the weight
             if getattr(m, "packed_weight", None) is not None:
                 m.packed_weight = None
-        if self.cuda:
-            layer.ready = torch.cuda.Event()
-        return layer
+
+    def _to_device(self, layer: _Layer) -> None:
+        """Point the layer's offloaded tensors at device copies, one per storage (as they were built)."""
+        copies = []
+        for offset, n in layer.segments:
+            copy = torch.empty(n, dtype=torch.uint8, device=self.device)
+            copy.copy_(layer.host[offset : offset + n])
+            copies.append(copy)
+        ends = [offset + n for offset, n in layer.segments]
+        for t, host_view in zip(layer.tensors, layer.host_views):
+            position = host_view.storage_offset() * host_view.element_size() - layer.host.storage_offset()
+            s = next(j for j, end in enumerate(ends) if position < end)
+            t.data = _rebased(host_view, layer.host, copies[s], byte_shift=layer.segments[s][0])
+
+    def _keep_rest_on_device(self, layer: _Layer) -> None:
+        """What the layer built in host memory and is not offloaded (a buffer of its own) goes to the device."""
+        if self.device.type == "cpu":
+            return
+        offloaded = {id(t) for t in layer.tensors}
+        moved: dict[int, torch.Tensor] = {}  # host storage address -> its device copy
+        items = [t for _, t in layer.module.named_parameters(remove_duplicate=False)]
+        items += list(layer.module.buffers())
+        for t in items:
+            if id(t) in offloaded or t.device.type != "cpu" or t.untyped_storage().nbytes() == 0:
+                continue
+            storage = t.untyped_storage()
+            copy = moved.get(storage.data_ptr())
+            if copy is None:
+                copy = moved[storage.data_ptr()] = _byte_view(storage, storage.nbytes()).to(self.device)
+            t.data = _view_like(t, copy, 0)
 
     # ------------------------------------------------------------------ forward
 
@@ -265,7 +378,7 @@ class WeightOffloader:
         layer = self.layers[k]
         self.copy_stream.wait_stream(compute)
         with torch.cuda.stream(self.copy_stream):
-            self.staging[layer.slot][: layer.nbytes].copy_(layer.host, non_blocking=True)
+            self.staging[layer.slot][: layer.nbytes].copy_(layer.host[: layer.nbytes], non_blocking=True)
             layer.ready.record(self.copy_stream)
 
     def _stage(self, k: int) -> None:
@@ -280,7 +393,7 @@ class WeightOffloader:
                 self._queue_copy(k + 1, compute)
                 self._pending = k + 1
         else:
-            self.staging[layer.slot][: layer.nbytes].copy_(layer.host)
+            self.staging[layer.slot][: layer.nbytes].copy_(layer.host[: layer.nbytes])
         for t, staged in zip(layer.tensors, layer.staged_views):
             t.data = staged
 
@@ -341,16 +454,22 @@ class WeightOffloader:
         )
 
 
-def maybe_offload(model: nn.Module, cpu_offload_gb: float, device: torch.device) -> WeightOffloader | None:
-    """Offload up to ``cpu_offload_gb`` GiB of ``model``'s decoder layers (``WeightOffloader``); None when the budget
-    is 0 or no layer fits it (logged)."""
+def new_offloader(cpu_offload_gb: float, device: torch.device) -> WeightOffloader | None:
+    """The offloader for a budget of ``cpu_offload_gb`` GiB, for the loader to use (None when the budget is 0)."""
     if not cpu_offload_gb:
         return None
-    offloader = WeightOffloader(model, int(cpu_offload_gb * 2**30), device)
+    return WeightOffloader(int(cpu_offload_gb * 2**30), device)
+
+
+def loaded_offloader(offloader: WeightOffloader | None, cpu_offload_gb: float) -> WeightOffloader | None:
+    """After loading: ``offloader`` when it offloaded a layer (logged), else None (a budget below one layer is
+    logged as a warning)."""
+    if offloader is None:
+        return None
     if offloader.num_layers == 0:
         logger.warning("cpu_offload_gb=%g: no whole decoder layer fits that budget; nothing offloaded", cpu_offload_gb)
         return None
     logger.info("cpu_offload_gb=%g: %s", cpu_offload_gb, offloader.summary())
-    if device.type == "cuda":
+    if offloader.cuda:
         logger.info("cpu_offload_gb: CUDA graphs are not captured (the steps wait for the weight copies, not launches)")
     return offloader

@@ -1,20 +1,32 @@
 """Weight offload (``cpu_offload_gb``, pagedllm/worker/weight_offload.py): which layers a budget offloads, greedy
-tokens and logprobs identical to an engine without offload (some layers, all layers, none), the weights staged
-for each forward (on CPU the staging buffer is a CPU tensor: the same path), weight updates landing in the host
-copy, sleep mode, MoE and LoRA layers, and refusals naming ``cpu_offload_gb``. ``gpu``: device memory held by
-the weights drops by the offloaded bytes, outputs unchanged."""
+tokens and logprobs identical to an engine without offload (some layers, all layers, none; checkpoint and dummy
+weights), the weights staged for each forward (on CPU the staging buffer is a CPU tensor: the same path), the
+loader building and loading offloaded layers in host memory (a meta "device" stands in for the GPU and records
+what is allocated on it), weight updates landing in the host copy, sleep mode, MoE and LoRA layers, and refusals
+naming ``cpu_offload_gb``. ``gpu``: device memory held by the weights drops by the offloaded bytes, outputs
+unchanged; the peak device memory while loading drops by about the offloaded bytes."""
 
 from __future__ import annotations
 
 import argparse
+import collections
 import math
 
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import make_engine_config
 from pagedllm.engine.arg_utils import add_engine_args, engine_kwargs_from_args
-from pagedllm.worker.weight_offload import host_buffers, layer_offload_bytes, pinned_group_size, plan_offload
+from pagedllm.worker.weight_offload import (
+    WeightOffloader,
+    host_buffers,
+    layer_offload_bytes,
+    pinned_group_size,
+    plan_offload,
+)
 from tests.utils import ROLLOUT_ENGINE as ENGINE
 from tests.utils import ROLLOUT_PROMPTS
 from tests.utils import greedy_ids as greedy
@@ -84,6 +96,143 @@ def test_budget_offloads_whole_layers_and_outputs_are_identical(tiny_llama, refe
             assert {p.untyped_storage().data_ptr() for p in layer.parameters()} <= host
         for layer in model.model.layers[layers:]:
             assert not {p.untyped_storage().data_ptr() for p in layer.parameters()} & host
+
+
+def test_dummy_weights_are_the_same_with_offload(tiny_llama):
+    """``load_format="dummy"``: every parameter (offloaded or not) gets the value it gets without offload."""
+    runs = []
+    for budget in (0, ALL):
+        with LLM(tiny_llama, load_format="dummy", cpu_offload_gb=budget, **ENGINE) as llm:
+            model = llm.llm_engine.engine_core.runner.model
+            params = {n: p.detach().clone() for n, p in model.named_parameters()}
+            runs.append((params, _tokens_and_logprobs(llm), _offloader(llm)))
+    (plain, plain_out, none), (offloaded, offloaded_out, offload) = runs
+    assert none is None and offload.num_layers == 2
+    assert plain.keys() == offloaded.keys()
+    assert all(torch.equal(plain[n], offloaded[n]) for n in plain)
+    assert offloaded_out == plain_out
+
+
+class _DeviceAllocations(TorchDispatchMode):
+    """Bytes of new storages each op makes on ``device``, summed under the current ``phase`` label."""
+
+    def __init__(self, device: str) -> None:
+        super().__init__()
+        self.device = device
+        self.phase = "load"
+        self.bytes: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == self.device:
+                storage = t.untyped_storage()
+                if storage._cdata not in inputs:
+                    self.bytes[self.phase] += storage.nbytes()
+        return out
+
+
+def _load_on_meta(path: str, budget_bytes: int, monkeypatch) -> tuple:
+    """``get_model`` on a meta "device" (it allocates nothing; the host is the CPU) with a ``WeightOffloader`` of
+    ``budget_bytes``: (model, offloader, device bytes allocated per phase: ``plan``, ``build``, ``load``, then
+    ``layer i`` while offloaded layer ``i`` is processed, ``staging``)."""
+    import pagedllm.model_loader as loader
+    from pagedllm.attention.torch_ref import TorchAttentionBackend
+    from pagedllm.config import ModelConfig
+    from pagedllm.model_loader import get_model
+
+    device = torch.device("meta")
+    offload = WeightOffloader(budget_bytes, device)
+    recorder = _DeviceAllocations("meta")
+    builds = iter(["plan", "build"])  # the meta build the layers are chosen from, then the model's
+    with monkeypatch.context() as m:
+        m.setattr(loader, "_build_model", _labelled(loader._build_model, recorder, lambda *args: next(builds)))
+        for name, label in [
+            ("adopt", lambda self, model: "load"),  # the real build is done: weights are written next
+            ("start", lambda self: "staging"),
+        ]:
+            m.setattr(WeightOffloader, name, _labelled(getattr(WeightOffloader, name), recorder, label))
+        # A host tensor cannot become a meta one (``.data``): count the device copies post-load processing makes
+        # of each offloaded layer (one per storage) and let it run on the host copy.
+        m.setattr(WeightOffloader, "_to_device", _counted_to_device(recorder))
+        model_config = ModelConfig(model=path, dtype="float32")
+        with recorder:
+            model = get_model(model_config, device, TorchAttentionBackend(), weight_offload=offload)
+    return model, offload, recorder.bytes
+
+
+def _labelled(method, recorder, label):
+    """``method``, counting the device allocations from its call on (to the next label) under ``label(*args)``."""
+
+    def wrapper(*args, **kwargs):
+        recorder.phase = label(*args)
+        return method(*args, **kwargs)
+
+    return wrapper
+
+
+def _counted_to_device(recorder):
+    def to_device(self, layer) -> None:
+        recorder.phase = f"layer {layer.index}"
+        for _, nbytes in layer.segments:
+            torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    return to_device
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages under ``tensors`` (meta ones too)."""
+    return sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def test_loader_builds_and_loads_offloaded_layers_in_host_memory(tiny_llama, reference, monkeypatch):
+    """The loader never puts an offloaded layer on the device but for its post-load processing. A meta "device"
+    stands in for the GPU: right after loading, the offloaded layer's parameters are host tensors inside its host
+    buffer and every other tensor is on the device; building allocated on the device what it allocates without
+    offload less that layer's bytes, loading no more than without offload, processing that layer's bytes once (its
+    copies, counted: a host tensor cannot turn into a meta one), and staging one slot."""
+    _, layer_bytes = reference
+    plain, none, plain_bytes = _load_on_meta(tiny_llama, 0, monkeypatch)
+    assert none.layers == [] and none.staging == []
+    model, offload, got = _load_on_meta(tiny_llama, layer_bytes + layer_bytes // 2, monkeypatch)  # layer 0 of 2
+    assert offload.layer_indices == [0]
+    host = offload.layers[0].host.untyped_storage().data_ptr()
+    for p in model.model.layers[0].parameters():
+        assert p.device.type == "cpu" and p.untyped_storage().data_ptr() == host
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if not name.startswith("model.layers.0."):
+            assert t.device.type == "meta", name
+    layer0 = _storage_bytes(plain.model.layers[0].parameters())  # as built (unaligned)
+    assert 0 < layer0 <= layer_bytes
+    assert got["build"] == plain_bytes["build"] - layer0
+    assert got["load"] <= plain_bytes["load"]
+    assert got["layer 0"] == layer0
+    assert got["staging"] == layer_bytes == offload.staging_bytes
+    assert set(got) <= {"plan", "build", "load", "layer 0", "staging"}
+
+
+@pytest.mark.parametrize("load_format", ["auto", "dummy"])
+def test_quantized_layers_load_into_host_memory(tiny_llama, tmp_path, load_format):
+    """GPTQ (act-order): the offloaded layers' packed tensors are created and loaded in host memory and processed
+    one layer at a time; greedy tokens as without offload, checkpoint and dummy weights."""
+    from tests.quantization.quant_utils import quantize_gptq, write_quantized
+
+    gen = torch.Generator().manual_seed(0)
+    qconfig = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True, "sym": True}
+    quant_dir, _ = write_quantized(
+        tiny_llama, tmp_path / "q", tmp_path / "ref", lambda name, w: quantize_gptq(w, 32, True, gen), qconfig
+    )
+    outs = []
+    for budget in (0, ALL):
+        with LLM(quant_dir, load_format=load_format, cpu_offload_gb=budget, **ENGINE) as llm:
+            if budget:
+                offload = _offloader(llm)
+                assert offload.num_layers == 2
+                qkv = llm.llm_engine.engine_core.runner.model.model.layers[1].self_attn.qkv_proj
+                assert qkv.qweight.untyped_storage().data_ptr() == offload.layers[1].host.untyped_storage().data_ptr()
+            outs.append(greedy(llm))
+    assert outs[0] == outs[1]
 
 
 def test_pinned_host_buffers_share_allocations_to_waste_least():
@@ -228,3 +377,55 @@ def test_gpu_memory_drops_by_the_offloaded_bytes(tiny_llama):
     assert all(layer.host.is_pinned() for layer in offload.layers)
     assert offload.staging_bytes == 2 * offload.layers[0].nbytes  # two slots: the next layer's copy overlaps
     assert held_all - held == pytest.approx(offload.offloaded_bytes, rel=0.05)
+
+
+@pytest.mark.gpu
+def test_gpu_peak_memory_while_loading_drops_by_about_the_budget(tmp_path):
+    """On the GPU, with a model whose decoder layers outweigh the rest: the peak device memory while loading
+    (``max_memory_allocated``) with 6 of 8 layers offloaded is the all-on-GPU peak less the offloaded bytes, plus
+    the two staging slots (and the processing copy of one layer, freed before them); greedy outputs unchanged,
+    also with dummy weights."""
+    from pagedllm.attention.torch_ref import TorchAttentionBackend
+    from pagedllm.config import ModelConfig
+    from pagedllm.model_loader import get_model
+    from pagedllm.worker.weight_offload import new_offloader
+    from tests.utils import make_tiny_model
+
+    path = make_tiny_model(
+        "llama", tmp_path / "deep", num_hidden_layers=8, hidden_size=512, intermediate_size=2048
+    )
+    device = torch.device("cuda")
+
+    def load(budget_layers: int, layer_bytes: int = 0, load_format: str = "auto"):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        offload = new_offloader((budget_layers * layer_bytes + 1024) / 2**30, device)  # (no rounding down)
+        config = ModelConfig(model=path, dtype="bfloat16", load_format=load_format)
+        model = get_model(config, device, TorchAttentionBackend(), weight_offload=offload)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - start
+        del model
+        return peak, offload
+
+    peak_all, _ = load(0)
+    with LLM(path, device="cuda", dtype="bfloat16", enforce_eager=True, max_model_len=64) as llm:
+        layer = llm.llm_engine.engine_core.runner.model.model.layers[0]
+        storages = {p.untyped_storage().data_ptr(): p.untyped_storage() for p in layer.parameters()}
+        layer_bytes = layer_offload_bytes(list(storages.values()))
+        expected = greedy(llm)
+    peak, offload = load(6, layer_bytes)
+    assert offload.layer_indices == list(range(6))
+    assert offload.offloaded_bytes == 6 * layer_bytes and offload.staging_bytes == 2 * layer_bytes
+    assert peak <= peak_all - offload.offloaded_bytes + offload.staging_bytes + layer_bytes // 4
+    assert peak < peak_all - 3 * layer_bytes
+    for load_format in ("auto", "dummy"):
+        outs = []
+        for budget in (0, (6 * layer_bytes + 1024) / 2**30):
+            engine = dict(device="cuda", dtype="bfloat16", enforce_eager=True, max_model_len=64)
+            with LLM(path, cpu_offload_gb=budget, load_format=load_format, **engine) as llm:
+                outs.append(greedy(llm))
+        assert outs[0] == outs[1]
+        if load_format == "auto":
+            assert outs[0] == expected
