@@ -401,7 +401,7 @@ def test_gpu_peak_memory_while_loading_drops_by_about_the_budget(tmp_path):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         start = torch.cuda.memory_allocated()
-        offload = new_offloader((budget_layers * layer_bytes + 1024) / 2**30, device)  # (no rounding down)
+        offload = new_offloader((budget_layers * layer_bytes + 1024) / 2**30, device) if budget_layers else None
         config = ModelConfig(model=path, dtype="bfloat16", load_format=load_format)
         model = get_model(config, device, TorchAttentionBackend(), weight_offload=offload)
         torch.cuda.synchronize()
