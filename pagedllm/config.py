@@ -823,17 +823,16 @@ def _check_multimodal_composition(
     model_config: ModelConfig,
     spec: Any,
     enable_lora: bool,
-    tp: int,
     pp: int,
     dp: int,
     kv_transfer: Any,
     quantization: str | None,
 ) -> None:
-    """What a multimodal model does not run with yet: refused (``ValueError`` naming the option), never ignored."""
+    """What a multimodal model does not run with yet: refused (``ValueError`` naming the option), never
+    ignored. Tensor parallelism works: the text model shards, the vision tower runs whole on every rank."""
     for name, on in (
         ("speculative_config", spec is not None),
         ("enable_lora", enable_lora),
-        ("tensor_parallel_size", tp > 1),
         ("pipeline_parallel_size", pp > 1),
         ("data_parallel_size", dp > 1),
         ("kv_transfer_config", kv_transfer is not None),
@@ -959,8 +958,8 @@ def make_engine_config(
     )
     if model_config.is_multimodal:
         _check_multimodal_composition(
-            model_config, spec, enable_lora, tensor_parallel_size, pipeline_parallel_size, data_parallel_size,
-            kv_transfer, quantization,
+            model_config, spec, enable_lora, pipeline_parallel_size, data_parallel_size, kv_transfer,
+            quantization,
         )  # fmt: skip
     if model_config.runner_type == "pooling":
         _check_pooling_options(

@@ -165,8 +165,8 @@ class LlavaForConditionalGeneration(nn.Module):
 
     def __init__(self, config: Any, attn_backend: AttentionBackend, tp: Any = None, pp: Any = None) -> None:
         super().__init__()
-        if tp is not None or pp is not None:
-            raise ValueError(f"{type(self).__name__}: tensor / pipeline parallelism is not supported yet")
+        if pp is not None:
+            raise ValueError(f"{type(self).__name__}: pipeline_parallel_size > 1 is not supported yet")
         self.config = config
         vision_config = sub_config(config, "vision_config")
         text_config = sub_config(config, "text_config")
@@ -179,7 +179,7 @@ class LlavaForConditionalGeneration(nn.Module):
         self.multi_modal_projector = LlavaMultiModalProjector(
             config, int(vision_config.hidden_size) * len(self.feature_layers), int(text_config.hidden_size)
         )
-        self.language_model = LlamaForCausalLM(text_config, attn_backend)
+        self.language_model = LlamaForCausalLM(text_config, attn_backend, tp=tp)
 
     def checkpoint_name(self, name: str) -> str | None:
         """transformers 5 and llava-hf checkpoint names -> ours (module docstring)."""

@@ -216,8 +216,8 @@ class Qwen2VLForConditionalGeneration(nn.Module):
 
     def __init__(self, config: Any, attn_backend: AttentionBackend, tp: Any = None, pp: Any = None) -> None:
         super().__init__()
-        if tp is not None or pp is not None:
-            raise ValueError(f"{type(self).__name__}: tensor / pipeline parallelism is not supported yet")
+        if pp is not None:
+            raise ValueError(f"{type(self).__name__}: pipeline_parallel_size > 1 is not supported yet")
         self.config = config
         vision_config = sub_config(config, "vision_config")
         text_config = sub_config(config, "text_config")
@@ -226,7 +226,7 @@ class Qwen2VLForConditionalGeneration(nn.Module):
             text_config.tie_word_embeddings = bool(tied)
         self.spatial_merge_size = int(vision_config.spatial_merge_size)
         self.visual = self.vision_tower_cls(vision_config)
-        self.language_model = Qwen2VLTextForCausalLM(text_config, attn_backend)
+        self.language_model = Qwen2VLTextForCausalLM(text_config, attn_backend, tp=tp)
 
     def checkpoint_name(self, name: str) -> str | None:
         """transformers 5 and original checkpoint names -> ours (module docstring)."""
