@@ -191,6 +191,11 @@ class EagleProposer:
         chosen = []
         for (request, start, count), end in zip(segs, ends):
             k = num_drafts_allowed(request, self.k, self.max_model_len)
+            # Drafts 2..k run the head at positions num_tokens - 1 .. num_tokens + k - 3, writing its KV there:
+            # no more than the request's blocks hold (a prefill chunk that stopped one token short of the prompt's
+            # end left no block, nor lookahead slots, past it; a slot outside them is another request's).
+            capacity = len(self.kv.get_block_ids(request.request_id)) * self.block_size
+            k = min(k, capacity - request.num_tokens + 2)
             if can_speculate(request) and start + count == request.num_tokens - 1 and k > 0:
                 chosen.append((request, int(end), k))
         if not chosen:
