@@ -496,14 +496,23 @@ class SchedulerConfig:
             )
 
 
-SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "medusa")
+SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "medusa", "mtp", "deepseek_mtp")
+# Multi-token prediction: the draft head is an MTP layer shipped inside the target checkpoint (vLLM's "mtp"; its
+# older name "deepseek_mtp" means the same here).
+MTP_METHODS = ("mtp", "deepseek_mtp")
+# Targets whose checkpoints hold MTP layers in the layout pagedllm/models/deepseek_mtp.py loads.
+MTP_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
+# Proposers that read the target's hidden states (its steps then run eagerly, and keep them).
+HIDDEN_STATE_METHODS = ("eagle", "eagle3", "medusa", *MTP_METHODS)
 
 
 @dataclass
 class SpeculativeConfig:
     """``speculative_config`` as vLLM takes it: ``{"method": "ngram", "num_speculative_tokens": k,
     "prompt_lookup_max": 4, "prompt_lookup_min": 2}`` or ``{"model": DRAFT_DIR, "num_speculative_tokens": k}``
-    (method ``draft_model``, implied by ``model``) or ``{"method": "eagle" | "eagle3" | "medusa", "model": DIR, ...}``."""
+    (method ``draft_model``, implied by ``model``) or ``{"method": "eagle" | "eagle3" | "medusa", "model": DIR, ...}``
+    or ``{"method": "mtp", "num_speculative_tokens": k}`` (the target's own MTP layer; ``model`` defaults to the
+    target's directory)."""
 
     num_speculative_tokens: int
     method: str | None = None
@@ -525,12 +534,16 @@ class SpeculativeConfig:
                 f"speculative_config: unknown field(s) {', '.join(unknown)}; known: {sorted(names)}"
             )
         if "num_speculative_tokens" not in spec:
-            raise ValueError("speculative_config.num_speculative_tokens is required")
+            if spec.get("method") not in MTP_METHODS:
+                raise ValueError("speculative_config.num_speculative_tokens is required")
+            spec = {**spec, "num_speculative_tokens": None}  # as vLLM: the checkpoint's number of MTP layers
         return cls(**spec)
 
     def __post_init__(self) -> None:
         k = self.num_speculative_tokens
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        if k is None and self.method in MTP_METHODS:
+            pass  # check_target sets it
+        elif isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"speculative_config.num_speculative_tokens must be an integer >= 1, got {k!r}")
         if self.method is None:
             if self.model is None:
@@ -559,6 +572,8 @@ class SpeculativeConfig:
             self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
             if self.model is not None:
                 raise ValueError("speculative_config.model is not used with method 'ngram'")
+        elif self.method in MTP_METHODS and self.model is None:
+            pass  # the target's own checkpoint (check_target fills it in)
         else:
             if self.model is None:
                 raise ValueError(f"speculative_config.model is required with method {self.method!r}")
@@ -571,6 +586,9 @@ class SpeculativeConfig:
         """Read the draft's config and check it can serve ``target`` (``ValueError`` naming the field)."""
         if self.method in ("ngram", "medusa"):
             return  # Medusa heads' config.json is no transformers config: MedusaProposer reads and checks it
+        if self.method in MTP_METHODS:
+            self._check_mtp_target(target)
+            return
         from transformers import AutoConfig
 
         self.draft_hf_config = PlainHFConfig.from_hf(AutoConfig.from_pretrained(self.model))
@@ -579,6 +597,44 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config.model: the draft's vocab_size ({vocab}) differs from the target's "
                 f"({target.vocab_size}); a draft model must share the target's tokenizer"
+            )
+
+    def _check_mtp_target(self, target: ModelConfig) -> None:
+        """An MTP draft is the target's own MTP layer: the architecture must have one in the layout we load, the
+        config must declare it (``num_nextn_predict_layers``) and the checkpoint hold its weights."""
+        from pagedllm.models.deepseek_mtp import num_mtp_layers
+
+        arch = (getattr(target.hf_config, "architectures", None) or ["?"])[0]
+        where = f"speculative_config.method {self.method!r}"
+        if arch not in MTP_ARCHITECTURES:
+            raise ValueError(
+                f"{where} needs a target with multi-token-prediction layers ({', '.join(MTP_ARCHITECTURES)}); "
+                f"{arch} has none"
+            )
+        if self.num_speculative_tokens is None:
+            self.num_speculative_tokens = num_mtp_layers(target.hf_config)
+        if target.quant_config is not None:
+            raise ValueError(f"{where} with a quantized target is not supported yet")
+        num_layers = target.hf_config.num_hidden_layers
+        if num_mtp_layers(target.hf_config) < 1:
+            raise ValueError(
+                f"{where}: the target's config declares no MTP layers (num_nextn_predict_layers is 0 or absent)"
+            )
+        if self.model is None:
+            self.model = target.model_path
+        elif os.path.realpath(self.model) != os.path.realpath(target.model_path):
+            raise ValueError(
+                f"speculative_config.model must be the target's own checkpoint with method {self.method!r} "
+                "(or be left out)"
+            )
+        if target.load_format == "dummy":
+            return
+        from pagedllm.spec_decode.mtp import checkpoint_has_mtp_layer
+
+        if not checkpoint_has_mtp_layer(self.model, num_layers):
+            raise ValueError(
+                f"{where}: the checkpoint {self.model!r} has no MTP layer weights (model.layers.{num_layers}.*), "
+                "though its config declares num_nextn_predict_layers"
             )
 
 
@@ -792,8 +848,8 @@ def _check_pipeline_parallel(
     pp = parallel_config.pipeline_parallel_size
     for what, used in (
         (
-            "speculative_config.method 'eagle' / 'eagle3' / 'medusa'",
-            spec is not None and spec.method in ("eagle", "eagle3", "medusa"),
+            "speculative_config.method 'eagle' / 'eagle3' / 'medusa' / 'mtp'",
+            spec is not None and spec.method in HIDDEN_STATE_METHODS,
         ),
         ("data_parallel_size > 1", parallel_config.data_parallel_size > 1),
     ):
@@ -1045,6 +1101,10 @@ def make_engine_config(
             scheduler_config.async_scheduling = False
         if spec.method not in ("ngram", "medusa"):  # proposers that write their own KV for the drafts
             scheduler_config.num_lookahead_tokens = spec.num_speculative_tokens
+        if spec.method in MTP_METHODS and parallel_config.tensor_parallel_size > 1:
+            raise ValueError(
+                f"speculative_config.method {spec.method!r} with tensor_parallel_size > 1 is not supported yet"
+            )
     if kv_transfer is not None:
         for what, used in (
             ("speculative_config", spec is not None),

@@ -39,8 +39,11 @@ as a dense TP MLP; the routed and shared partial sums share one all-reduce.
 
 Pipeline parallelism: ``MoEModel``'s stage layout; each layer picks dense or MoE by its global index.
 
-Not supported yet: a quantized ``kv_b_proj``, an FP8 KV cache, and V3's multi-token-prediction layers (checkpoints
-that ship ``model.layers.{num_hidden_layers}.*`` fail the strict loader).
+V3's multi-token-prediction layers (``model.layers.{num_hidden_layers}.*`` and after, as DeepSeek-V3 ships them) are
+not part of the target: its loader skips them, and speculative decoding with ``method="mtp"`` loads the first as a
+draft head (pagedllm/models/deepseek_mtp.py).
+
+Not supported yet: a quantized ``kv_b_proj`` and an FP8 KV cache.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ from pagedllm.layers.fused_moe import FusedMoE, group_limited_topk, noaux_tc_top
 from pagedllm.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import rope_config, yarn_factor, yarn_inv_freq, yarn_mscale
+from pagedllm.models.deepseek_mtp import is_mtp_tensor
 from pagedllm.models.llama import LlamaForCausalLM, LlamaMLP
 from pagedllm.models.mixtral import MoEModel, expert_parallel
 
@@ -371,6 +375,11 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
             for layer in self.model.layers
             if not is_missing(layer)
         ]
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """Checkpoint names load as they are, except the multi-token-prediction layers stored after the decoder
+        layers (None: skipped; the MTP proposer reads them)."""
+        return None if is_mtp_tensor(name, self.config.num_hidden_layers) else name
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from pagedllm.config import EngineConfig, SpeculativeConfig
+from pagedllm.config import MTP_METHODS, EngineConfig, SpeculativeConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
@@ -105,6 +105,10 @@ def make_proposer(config: EngineConfig, runner: Any) -> Proposer:
         from pagedllm.spec_decode.medusa import MedusaProposer
 
         return MedusaProposer(config, runner)
+    if spec.method in MTP_METHODS:
+        from pagedllm.spec_decode.mtp import MTPProposer
+
+        return MTPProposer(config, runner)
     from pagedllm.spec_decode.eagle import EagleProposer
 
     return EagleProposer(config, runner)

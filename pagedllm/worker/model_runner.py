@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from pagedllm.attention.base import AttentionMetadata, get_attention_backend
-from pagedllm.config import EngineConfig
+from pagedllm.config import HIDDEN_STATE_METHODS, EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheLayout, plan_kv_cache_layout
 from pagedllm.core.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.parallel_state import local_num_kv_heads
@@ -118,10 +118,10 @@ class ModelRunner:
         self._last_step: StepInFlight | None = None  # the latest step with sampled tokens
         self.kv_connector: Any = None  # the worker side of a KV connector (register_kv_connector)
         self._next_step_id = 0
-        # EAGLE and Medusa drafts read each step's hidden states (StepInFlight.draft_hidden); such steps run
+        # EAGLE, Medusa and MTP drafts read each step's hidden states (StepInFlight.draft_hidden); such steps run
         # eagerly.
         spec = config.speculative_config
-        self.keep_hidden = spec is not None and spec.method in ("eagle", "eagle3", "medusa")
+        self.keep_hidden = spec is not None and spec.method in HIDDEN_STATE_METHODS
         # Steps of at most this many tokens per request also replay CUDA graphs: k + 1 with speculative decoding
         # (verification; a draft model's runner gets it from its proposer, for its catch-up passes).
         self.graph_query_len = 1 if spec is None else 1 + spec.num_speculative_tokens
