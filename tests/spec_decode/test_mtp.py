@@ -226,6 +226,11 @@ def test_mtp_defaults_and_startup_errors(v3_dirs, tiny_llama, tmp_path):
     spec = llm.llm_engine.engine_core.config.speculative_config
     assert spec.num_speculative_tokens == 1 and os.path.samefile(spec.model, v3_dirs["mtp"])
     del llm
+    # load_format="dummy": a random MTP layer for the declared one, no weights read
+    llm = _llm(v3_dirs["plain"], k=2, load_format="dummy")
+    assert len(_greedy(llm, [[5, 6, 7, 8, 9]], max_tokens=6)[0]) == 6
+    assert stats(llm).spec_num_drafts > 0
+    del llm
     # transformers' DeepSeek-V3 config declares an MTP layer, but its save_pretrained drops the weights
     with pytest.raises(ValueError, match="speculative_config.method 'mtp'.*no MTP layer weights"):
         _llm(v3_dirs["plain"])
