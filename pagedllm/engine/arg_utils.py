@@ -170,7 +170,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
         type=_json_dict,
         default=None,
         help='speculative decoding, as JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_max": 4}\' or \'{"model": DRAFT_DIR, "num_speculative_tokens": 4}\'',
+        '"prompt_lookup_max": 4}\', \'{"model": DRAFT_DIR, "num_speculative_tokens": 4}\' or (a DeepSeek-V3 '
+        'checkpoint\'s own MTP layer) \'{"method": "mtp", "num_speculative_tokens": 1}\'',
     )
     parser.add_argument(
         "--kv-transfer-config",
