@@ -63,6 +63,11 @@ class AttentionMetadata:
     # Hybrid models (KV cache groups, core/kv_cache_manager.py): (block_table, slot_mapping) of groups 1, 2, ..., laid
     # out as the two fields above, which are group 0's. Empty with one group. A layer reads for_kv_group(its group).
     kv_group_tables: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+    # (request index, start, end): positions [start, end) of that request see each other both ways (one image's
+    # tokens in Gemma 3), on top of the causal mask and inside any sliding window. Each span lies within the
+    # request's context after this step, and every one of its positions at or past the request's first query is a
+    # query of this step. Steps with spans run through the PyTorch reference attention. Empty: causal only.
+    bidirectional_spans: tuple[tuple[int, int, int], ...] = ()
     _group_views: dict[int, AttentionMetadata] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )

@@ -130,10 +130,13 @@ def _plan_step(
     block_size: int,
     num_kv_heads: int,
     sliding_window: int | None,
+    bidirectional_spans: tuple[tuple[int, int, int], ...] = (),
 ) -> _StepPlan:
     """Query i of request r sits at position ``p = seq_lens[r] - query_len + i`` and sees the keys at positions
     ``<= p`` (and, with a window W, ``> p - W``). Keys no query of the request sees are not gathered at all (so
-    slots behind a window, which may belong to other requests by now, are never read).
+    slots behind a window, which may belong to other requests by now, are never read). A query inside one of
+    r's ``bidirectional_spans`` (``(r, start, end)``) also sees the span's later keys (still within the window:
+    transformers' ``AND(window, OR(causal, block))``).
 
     Decodes go in groups of similar length (``_DECODE_GROUPS``), each padded to its longest: a padding key reads
     the request's newest key (written this step, so finite: a fresh or recycled slot may hold NaN, and
@@ -153,6 +156,9 @@ def _plan_step(
     def to_device(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(device)
 
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for r, a, b in bidirectional_spans:
+        spans.setdefault(int(r), []).append((int(a), int(b)))
     prefills = []
     for r in np.flatnonzero(query_lens > 1).tolist():
         seq_len, q_start, q_end = int(lens[r]), int(starts[r]), int(starts[r + 1])
@@ -162,9 +168,15 @@ def _plan_step(
         k_pos = np.arange(k_start, seq_len)  # [L]
         slots = table[r, k_pos // block_size].astype(np.int64) * block_size + k_pos % block_size  # [L]
         mask = None  # plain causal: as many keys as queries, and no window in between
-        if seq_len - k_start != query_len or (sliding_window is not None and sliding_window < query_len):
+        if (
+            seq_len - k_start != query_len
+            or (sliding_window is not None and sliding_window < query_len)
+            or r in spans
+        ):
             q_pos = np.arange(seq_len - query_len, seq_len)[:, None]  # [query_len, 1]
             visible = k_pos <= q_pos  # [query_len, L]
+            for a, b in spans.get(r, ()):
+                visible |= (q_pos >= a) & (q_pos < b) & (k_pos >= a) & (k_pos < b)
             if sliding_window is not None:
                 visible &= k_pos > q_pos - sliding_window
             mask = to_device(visible)
@@ -352,7 +364,7 @@ class TorchAttentionBackend:
             ("plan", block_size, num_kv_heads, sliding_window),
             lambda: _plan_step(
                 metadata.block_table, metadata.seq_lens_cpu, metadata.query_start_loc_cpu,
-                block_size, num_kv_heads, sliding_window,
+                block_size, num_kv_heads, sliding_window, metadata.bidirectional_spans,
             ),
         )  # fmt: skip
         result = _paged_attention(

@@ -113,11 +113,16 @@ class Attention(nn.Module):
             return _splitter.split(self, query, key, value, kv_cache, kv_written)
         # sinks, kv_written and out only when set: a backend that does not know them still serves every other model
         options = {} if self.sinks is None else {"sinks": self.sinks}
+        backend = self.attn_backend
+        if attn_metadata.bidirectional_spans and backend.name != "torch":
+            # Spans seen both ways (Gemma 3's images): the PyTorch reference takes them; it writes the cache itself
+            # (again, with the same values, where the caller already did).
+            backend, kv_written = _torch_backend(), False
         if kv_written:
             options["kv_written"] = True
         if out is not None:
             options["out"] = out
-        return self.attn_backend.forward(
+        return backend.forward(
             query,
             key,
             value,
@@ -163,6 +168,12 @@ class Attention(nn.Module):
             + (", sinks" if self.sinks is not None else "")
             + (f", k_scale={self.k_scale}, v_scale={self.v_scale}" if self.kv_scales_from_checkpoint else "")
         )
+
+
+def _torch_backend() -> AttentionBackend:
+    from pagedllm.attention.torch_ref import TorchAttentionBackend
+
+    return TorchAttentionBackend()
 
 
 def kv_scales_summary(model: nn.Module, kv_cache_dtype: torch.dtype) -> str:
