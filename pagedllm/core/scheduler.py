@@ -119,11 +119,14 @@ class Scheduler:
         max_loras: int = 0,
         connector: Any = None,
         encoder_cache_size: int = 0,
+        keep_image_spans_whole: bool = False,
     ) -> None:
         """``max_loras``: most distinct LoRA adapters among running requests (0: LoRA is off). ``connector``: the
         scheduler side of a KV connector (pagedllm/kv_transfer/base.py), or None. ``encoder_cache_size``: a
         multimodal model's encoder cache, in embedding rows (at least its largest image; 0: text only), which is
-        also each step's encoder budget (``_plan_encoder``)."""
+        also each step's encoder budget (``_plan_encoder``). ``keep_image_spans_whole``: never end a chunk inside
+        an image's placeholders (Gemma 3, whose image tokens attend to each other both ways); the token budget
+        and chunk cap must then hold the largest image (checked by the engine core)."""
         if config.max_num_seqs is None or config.max_num_batched_tokens is None:
             raise ValueError("the scheduler needs resolved batch limits: call SchedulerConfig.resolve_defaults")
         self.config = config
@@ -163,6 +166,7 @@ class Scheduler:
         if connector is not None:
             connector.bind_scheduler(kv_cache_manager, self.requests)
         self.encoder_cache = EncoderCacheManager(encoder_cache_size) if encoder_cache_size else None
+        self.keep_image_spans_whole = keep_image_spans_whole
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -358,6 +362,14 @@ class Scheduler:
         to_encode: list[int] = []
         cost = 0
         end = num_computed + num_new
+        if self.keep_image_spans_whole:  # a chunk that would end inside an image ends before it (or waits)
+            for feature in request.mm_features:
+                if feature.offset < end < feature.end:
+                    end = max(num_computed, feature.offset)
+                    num_new = end - num_computed
+                    break
+            if num_new <= 0:
+                return 0, to_encode, cost
         for i, feature in enumerate(request.mm_features):
             if feature.offset >= end:
                 break

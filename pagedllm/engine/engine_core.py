@@ -136,6 +136,7 @@ class EngineCore:
             max_loras=lora_config.max_loras if lora_config is not None else 0,
             connector=self._make_kv_connectors(),
             encoder_cache_size=self._encoder_cache_size(),
+            keep_image_spans_whole=self._keep_image_spans_whole(),
         )
         self._lora_paths: dict[int, str] = {}  # lora_int_id -> path, for good: ids key prefix-cache hashes
         self.async_scheduling = config.scheduler_config.async_scheduling
@@ -159,6 +160,30 @@ class EngineCore:
 
         largest = max_tokens_per_image(mm_config, self.config.model_config.model_path)
         return max(self.config.scheduler_config.max_num_batched_tokens, largest)
+
+    def _keep_image_spans_whole(self) -> bool:
+        """Whether chunks must not split an image's placeholders (Gemma 3); ``ValueError`` when one step's token
+        budget or chunk cap cannot hold an image then."""
+        mm_config = getattr(self.config.model_config, "mm_hf_config", None)
+        if mm_config is None:
+            return False
+        from pagedllm.multimodal.processing import keeps_image_spans_whole, max_tokens_per_image
+
+        if not keeps_image_spans_whole(mm_config.architectures[0]):
+            return False
+        largest = max_tokens_per_image(mm_config, self.config.model_config.model_path)
+        sched = self.config.scheduler_config
+        for name, value in (
+            ("max_num_batched_tokens", sched.max_num_batched_tokens),
+            ("long_prefill_token_threshold", sched.long_prefill_token_threshold),
+        ):
+            if value and value < largest:
+                raise ValueError(
+                    f"{name} ({value}) must be at least an image's {largest} tokens for "
+                    f"{mm_config.architectures[0]}: an image's tokens attend to each other, so they are computed "
+                    "in one step"
+                )
+        return True
 
     def _make_kv_connectors(self) -> Any:
         """The KV connector's two sides (``kv_transfer_config``): the worker side goes to the runner, the scheduler
