@@ -87,6 +87,14 @@ def tiny_qwen2_5_vl(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma3_vl(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny random Gemma 3 checkpoint with images (``tests.utils.make_tiny_gemma3_vl``): 16 tokens an image."""
+    from tests.utils import make_tiny_gemma3_vl
+
+    return make_tiny_gemma3_vl(tmp_path_factory.mktemp("tiny_gemma3_vl") / "gemma3_vl")
+
+
+@pytest.fixture(scope="session")
 def tiny_llava_next(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A tiny random LLaVA-NeXT checkpoint with its processor: 2x1, 1x2 or 2x2 tiles of 28x28 an image."""
     from tests.utils import make_tiny_llava

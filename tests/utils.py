@@ -597,3 +597,80 @@ def hf_qwen2_vl_greedy_and_logprobs(path: str | Path, prompt: str, images: list,
     new_ids = out.sequences[0, len(ids) :].tolist()
     logprobs = torch.stack([torch.log_softmax(s[0].float(), -1) for s in out.scores])
     return ids, new_ids, logprobs
+
+
+GEMMA3_IMAGE = "<start_of_image>"
+GEMMA3_MM_TOKENS = 16  # image tokens an image takes in the tiny Gemma 3
+
+
+def make_tiny_gemma3_vl(path: str | Path) -> str:
+    """Save a tiny random ``Gemma3ForConditionalGeneration`` checkpoint (SigLIP tower: 56x56 images, 7x7 patches,
+    2 layers of width 32; the 8x8 patch grid pooled to 16 image tokens; the tiny Gemma 3 text model with a sliding
+    window of 8 on layer 0, shorter than an image's 16 tokens), its tokenizer (``<start_of_image>``,
+    ``<end_of_image>``, ``<image_soft_token>`` added) and image processor (``Gemma3ImageProcessorPil``) to
+    ``path``."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    tokenizer = train_tiny_tokenizer()
+    specials = [GEMMA3_IMAGE, "<end_of_image>", "<image_soft_token>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": specials})
+    boi, eoi, image = tokenizer.convert_tokens_to_ids(specials)
+    text_config = _tiny_config(
+        "gemma3", len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id,
+        sliding_window=8,
+    )  # fmt: skip
+    vision_config = SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=56,
+        patch_size=7, vision_use_head=False,
+    )  # fmt: skip
+    config = Gemma3Config(
+        text_config=text_config.to_dict(), vision_config=vision_config.to_dict(), mm_tokens_per_image=GEMMA3_MM_TOKENS,
+        boi_token_index=boi, eoi_token_index=eoi, image_token_index=image,
+    )  # fmt: skip
+    torch.manual_seed(11)
+    model = Gemma3ForConditionalGeneration(config)
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            offset, std = _default_weight(name)
+            param.copy_(offset + std * torch.randn(param.shape, generator=gen))
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    Gemma3ImageProcessorPil(size={"height": 56, "width": 56}).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@torch.inference_mode()
+def hf_gemma3_vl_greedy_and_logprobs(path: str | Path, prompt: str, images: list, max_new_tokens: int):
+    """transformers' Gemma 3 with images, float32, as ``hf_llava_greedy_and_logprobs``: each ``<start_of_image>``
+    of the prompt becomes ``<start_of_image>`` + 16 image tokens + ``<end_of_image>``, and ``token_type_ids`` marks
+    the image tokens (their bidirectional block mask)."""
+    from transformers import AutoImageProcessor, AutoTokenizer, GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    model = _load_hf_vlm(_hf_vlm_class(path), str(path))
+    cfg = model.config
+    ids = []
+    for tok in tokenizer(prompt)["input_ids"]:
+        ids += [tok, *[cfg.image_token_id] * cfg.mm_tokens_per_image, cfg.eoi_token_id] if tok == cfg.boi_token_id else [tok]
+    input_ids = torch.tensor([ids])
+    kwargs = {"token_type_ids": (input_ids == cfg.image_token_id).long()}
+    if images:
+        kwargs["pixel_values"] = AutoImageProcessor.from_pretrained(str(path))(images=images, return_tensors="pt")[
+            "pixel_values"
+        ]
+    gen_config = GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
+        output_scores=True, return_dict_in_generate=True,
+    )  # fmt: skip
+    out = model.generate(
+        input_ids=input_ids, attention_mask=torch.ones_like(input_ids), generation_config=gen_config, **kwargs
+    )
+    new_ids = out.sequences[0, len(ids) :].tolist()
+    logprobs = torch.stack([torch.log_softmax(s[0].float(), -1) for s in out.scores])
+    return ids, new_ids, logprobs

@@ -27,6 +27,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "LlavaNextForConditionalGeneration": ("llava", "LlavaNextForConditionalGeneration"),
     "Qwen2VLForConditionalGeneration": ("qwen2_vl", "Qwen2VLForConditionalGeneration"),
     "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
+    "Gemma3ForConditionalGeneration": ("gemma3_mm", "Gemma3ForConditionalGeneration"),
 }
 
 

@@ -124,12 +124,25 @@ def llava_next_max_image_tokens(config: Any, model_path: str | None = None) -> i
 
 
 QWEN2_VL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+GEMMA3_ARCHITECTURE = "Gemma3ForConditionalGeneration"
+
+
+def gemma3_num_image_tokens(config: Any, model_path: str | None = None) -> int:
+    """Embeddings Gemma 3 makes per image: ``mm_tokens_per_image`` (its pooled patch grid)."""
+    return int(getattr(config, "mm_tokens_per_image", None) or 256)
+
+
+def keeps_image_spans_whole(architecture: str) -> bool:
+    """Whether the model's attention within an image's tokens is bidirectional (Gemma 3), so that the scheduler must
+    compute all of an image's placeholder tokens in one step (core/scheduler.py, ``_plan_encoder``)."""
+    return architecture == GEMMA3_ARCHITECTURE
 
 # architecture -> the most embeddings one image takes (sizes the encoder cache)
 _MAX_IMAGE_TOKENS = {
     "LlavaForConditionalGeneration": lambda config, model_path: llava_num_image_tokens(config),
     "LlavaNextForConditionalGeneration": llava_next_max_image_tokens,
     **{arch: qwen2_vl_max_image_tokens for arch in QWEN2_VL_ARCHITECTURES},
+    GEMMA3_ARCHITECTURE: gemma3_num_image_tokens,
 }
 
 
@@ -152,6 +165,7 @@ class MultiModalProcessor:
         vision = sub_config(hf_config, "vision_config")
         self.is_qwen2_vl = self.architecture in QWEN2_VL_ARCHITECTURES
         self.is_llava_next = self.architecture == "LlavaNextForConditionalGeneration"
+        self.is_gemma3 = self.architecture == GEMMA3_ARCHITECTURE
         self.num_image_tokens = 0  # per image, when every image takes the same number (LLaVA-1.5)
         if self.is_qwen2_vl:  # dynamic resolution: an image's tokens follow its size
             self.merge_size = int(vision.spatial_merge_size)
@@ -159,6 +173,11 @@ class MultiModalProcessor:
             self.vision_end_token_id = int(hf_config.vision_end_token_id)
         elif self.is_llava_next:  # tiles: an image's tokens follow its size
             self.image_size = int(vision.image_size)
+        elif self.is_gemma3:  # <start_of_image> marks an image; it becomes <start_of_image> <image>*N <end_of_image>
+            self.num_image_tokens = gemma3_num_image_tokens(hf_config)
+            self.image_size = int(vision.image_size)
+            self.boi_token_id = int(hf_config.boi_token_id)
+            self.eoi_token_id = int(hf_config.eoi_token_id)
         else:
             self.num_image_tokens = llava_num_image_tokens(hf_config)
             self.image_size = int(vision.image_size)
@@ -178,7 +197,10 @@ class MultiModalProcessor:
         return self._image_processor
 
     def placeholder_text(self, tokenizer: Any) -> str:
-        """What marks one image in a chat prompt: the image token, wrapped in Qwen2-VL's vision start / end."""
+        """What marks one image in a chat prompt: the image token, wrapped in Qwen2-VL's vision start / end;
+        Gemma 3's ``<start_of_image>``."""
+        if self.is_gemma3:
+            return tokenizer.convert_ids_to_tokens(self.boi_token_id)
         if self.is_qwen2_vl:
             return "".join(
                 tokenizer.convert_ids_to_tokens(
@@ -196,6 +218,8 @@ class MultiModalProcessor:
         except Exception as e:  # noqa: BLE001 - a processor failure is the input's fault here
             raise ValueError(f"{field}: the image processor failed: {e}") from e
         pixels = np.asarray(out["pixel_values"], dtype=np.float32)
+        if self.is_gemma3 and np.asarray(out.get("num_crops", 0)).any():
+            raise ValueError(f"{field}: Gemma 3's pan-and-scan crops (do_pan_and_scan) are not supported")
         if self.is_qwen2_vl:
             grids = np.asarray(out["image_grid_thw"], dtype=np.int64)  # [num_images, 3]
             sizes = grids.prod(axis=1)
@@ -233,6 +257,8 @@ class MultiModalProcessor:
         placeholders do not match the images."""
         datas = self.preprocess(images, field) if images else []
         sizes = [self.num_tokens(d) for d in datas]
+        if self.is_gemma3:
+            prompt_token_ids = self._gemma3_marks(prompt_token_ids)
         # Each placeholder: (start, 1) to expand, or (start, n) already expanded (n: the next image's tokens). Within a
         # run of image tokens, an image takes n when at least n are left (and n > 1), else one (adjacent images
         # without text between them).
@@ -268,6 +294,17 @@ class MultiModalProcessor:
             prev = start + length
         ids.extend(prompt_token_ids[prev:])
         return ids, features
+
+    def _gemma3_marks(self, token_ids: list[int]) -> list[int]:
+        """Gemma 3: each ``<start_of_image>`` not already followed by the image token becomes ``<start_of_image>
+        <image> <end_of_image>`` (the single image token is then expanded to ``mm_tokens_per_image``, as
+        transformers' ``Gemma3Processor`` lays an image out); an expanded prompt is kept as it is."""
+        out: list[int] = []
+        for i, t in enumerate(token_ids):
+            out.append(t)
+            if t == self.boi_token_id and (i + 1 == len(token_ids) or token_ids[i + 1] != self.image_token_id):
+                out.extend((self.image_token_id, self.eoi_token_id))
+        return out
 
 
 def _runs(token_ids: list[int], token_id: int) -> list[tuple[int, int]]:

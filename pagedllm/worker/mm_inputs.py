@@ -38,6 +38,8 @@ class EncoderRunner:
         self.uses_mrope = bool(getattr(model, "uses_mrope", False))
         self.merge_size = int(getattr(model, "spatial_merge_size", 1))
         self.mrope: dict[str, tuple[np.ndarray, int]] = {}
+        # Gemma 3: one image's tokens attend to each other both ways (AttentionMetadata.bidirectional_spans)
+        self.bidirectional = bool(getattr(model, "bidirectional_image_attention", False))
 
     def update(self, sched: SchedulerOutput) -> None:
         """Track the step's requests, free what the scheduler freed, encode what it scheduled."""
@@ -132,6 +134,17 @@ class EncoderRunner:
                 if a < b:
                     spans.append((int(cu[i]) + a - start, f, a - f.offset, b - a))
         return spans
+
+    def bidirectional_spans(
+        self, spans: list[tuple[int, MultiModalFeature, int, int]], cu: np.ndarray
+    ) -> tuple[tuple[int, int, int], ...]:
+        """``(request index, first position, end position)`` of each image the step's ``spans`` (``step_spans``)
+        touch, for a model whose image tokens attend both ways (``()`` for others)."""
+        if not self.bidirectional:
+            return ()
+        return tuple(
+            (int(np.searchsorted(cu, row, side="right")) - 1, f.offset, f.end) for row, f, _, _ in spans
+        )
 
     def inputs_embeds(
         self, input_ids: torch.Tensor, spans: list[tuple[int, MultiModalFeature, int, int]]

@@ -673,6 +673,7 @@ class ModelRunner:
                 seq_lens_cpu=seq_lens_cpu,
                 is_pure_decode=is_pure_decode,
                 kv_group_tables=tuple(zip(tables[1:], slots[1:])),
+                bidirectional_spans=self.encoder_runner.bidirectional_spans(mm_spans, cu) if mm_spans else (),
             )
             if input_patch is not None:
                 dst, src, values = input_patch
