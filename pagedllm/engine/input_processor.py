@@ -255,7 +255,7 @@ class InputProcessor:
         """The prompt's length once each of its ``num_images`` one-token image placeholders is expanded."""
         if not num_images or self.mm_processor is None or not self.mm_processor.num_image_tokens:
             return len(prompt_token_ids)  # (Qwen2-VL: known once each image is preprocessed)
-        return len(prompt_token_ids) + num_images * (self.mm_processor.num_image_tokens - 1)
+        return len(prompt_token_ids) + num_images * self.mm_processor.tokens_added_per_image
 
     def load_chat_images(self, images: list[ChatImage]) -> list[Any]:
         """PIL images of ``extract_chat_images``' parts (URLs fetched, data URLs decoded); the image limit is

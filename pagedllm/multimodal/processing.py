@@ -173,7 +173,7 @@ class MultiModalProcessor:
             self.vision_end_token_id = int(hf_config.vision_end_token_id)
         elif self.is_llava_next:  # tiles: an image's tokens follow its size
             self.image_size = int(vision.image_size)
-        elif self.is_gemma3:  # <start_of_image> marks an image; it becomes <start_of_image> <image>*N <end_of_image>
+        elif self.is_gemma3:  # <start_of_image> marks an image (expanded with N image tokens, <end_of_image>)
             self.num_image_tokens = gemma3_num_image_tokens(hf_config)
             self.image_size = int(vision.image_size)
             self.boi_token_id = int(hf_config.boi_token_id)
@@ -208,6 +208,12 @@ class MultiModalProcessor:
                 )
             )
         return tokenizer.convert_ids_to_tokens(self.image_token_id)
+
+    @property
+    def tokens_added_per_image(self) -> int:
+        """Tokens one single-token image mark adds once expanded, where every image takes the same number (LLaVA-1.5:
+        ``<image>`` -> N image tokens; Gemma 3: ``<start_of_image>`` -> itself, N image tokens, ``<end_of_image>``)."""
+        return self.num_image_tokens + 1 if self.is_gemma3 else self.num_image_tokens - 1
 
     def preprocess(self, images: Sequence[Any], field: str) -> list[dict[str, np.ndarray]]:
         """Each image's encoder inputs: ``{"pixel_values": [3, H, W]}`` (LLaVA), its crops and size
@@ -302,7 +308,8 @@ class MultiModalProcessor:
         out: list[int] = []
         for i, t in enumerate(token_ids):
             out.append(t)
-            if t == self.boi_token_id and (i + 1 == len(token_ids) or token_ids[i + 1] != self.image_token_id):
+            expanded = i + 1 < len(token_ids) and token_ids[i + 1] == self.image_token_id
+            if t == self.boi_token_id and not expanded:
                 out.extend((self.image_token_id, self.eoi_token_id))
         return out
 
