@@ -37,7 +37,9 @@ class SiglipVisionEmbeddings(nn.Module):
         super().__init__()
         self.patch_size = int(config.patch_size)
         dim = int(config.hidden_size)
-        self.patch_embedding = nn.Conv2d(int(getattr(config, "num_channels", 3)), dim, self.patch_size, self.patch_size)
+        self.patch_embedding = nn.Conv2d(
+            int(getattr(config, "num_channels", 3)), dim, self.patch_size, self.patch_size
+        )
         self.num_positions = (int(config.image_size) // self.patch_size) ** 2
         self.position_embedding = nn.Embedding(self.num_positions, dim)
 
@@ -60,7 +62,9 @@ class SiglipVisionTower(nn.Module):
         super().__init__()
         self.embeddings = SiglipVisionEmbeddings(config)
         self.encoder = SiglipEncoder(config)
-        self.post_layernorm = nn.LayerNorm(int(config.hidden_size), eps=float(getattr(config, "layer_norm_eps", 1e-6)))
+        self.post_layernorm = nn.LayerNorm(
+            int(config.hidden_size), eps=float(getattr(config, "layer_norm_eps", 1e-6))
+        )
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:  # [N, 3, H, W] -> [N, P, D]
         x = self.embeddings(pixel_values)
@@ -74,7 +78,9 @@ class Gemma3MultiModalProjector(nn.Module):
         super().__init__()
         vision_dim = int(vision_config.hidden_size)
         self.mm_input_projection_weight = nn.Parameter(torch.empty(vision_dim, text_dim))
-        self.mm_soft_emb_norm = GemmaRMSNorm(vision_dim, float(getattr(vision_config, "layer_norm_eps", 1e-6)))
+        self.mm_soft_emb_norm = GemmaRMSNorm(
+            vision_dim, float(getattr(vision_config, "layer_norm_eps", 1e-6))
+        )
         self.side = int(vision_config.image_size) // int(vision_config.patch_size)  # patches a side
         tokens_side = int(round(int(config.mm_tokens_per_image) ** 0.5))
         if tokens_side * tokens_side != int(config.mm_tokens_per_image) or self.side % tokens_side:
@@ -84,17 +90,23 @@ class Gemma3MultiModalProjector(nn.Module):
             )
         self.kernel = self.side // tokens_side
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, P, D_vision] -> [N, mm_tokens_per_image, D_text]
+    def forward(
+        self, x: torch.Tensor
+    ) -> torch.Tensor:  # [N, P, D_vision] -> [N, mm_tokens_per_image, D_text]
         n, _, d = x.shape
         grid = x.transpose(1, 2).reshape(n, d, self.side, self.side)  # [N, D, side, side]
-        pooled = nn.functional.avg_pool2d(grid, self.kernel, self.kernel).flatten(2).transpose(1, 2)  # [N, M, D]
+        pooled = (
+            nn.functional.avg_pool2d(grid, self.kernel, self.kernel).flatten(2).transpose(1, 2)
+        )  # [N, M, D]
         return (self.mm_soft_emb_norm(pooled) @ self.mm_input_projection_weight).to(x.dtype)
 
 
 class Gemma3ForConditionalGeneration(LlavaForConditionalGeneration):
     packed_modules_mapping = Gemma3ForCausalLM.packed_modules_mapping
     supports_multimodal = True
-    bidirectional_image_attention = True  # one image's tokens attend to each other both ways (module docstring)
+    bidirectional_image_attention = (
+        True  # one image's tokens attend to each other both ways (module docstring)
+    )
 
     def __init__(self, config: Any, attn_backend: AttentionBackend, tp: Any = None, pp: Any = None) -> None:
         nn.Module.__init__(self)
@@ -104,9 +116,13 @@ class Gemma3ForConditionalGeneration(LlavaForConditionalGeneration):
         vision_config = sub_config(config, "vision_config")
         text_config = sub_config(config, "text_config")
         if getattr(vision_config, "vision_use_head", False):
-            raise ValueError("Gemma3ForConditionalGeneration: a SigLIP tower with vision_use_head is not supported")
+            raise ValueError(
+                "Gemma3ForConditionalGeneration: a SigLIP tower with vision_use_head is not supported"
+            )
         self.vision_tower = SiglipVisionTower(vision_config)
-        self.multi_modal_projector = Gemma3MultiModalProjector(config, vision_config, int(text_config.hidden_size))
+        self.multi_modal_projector = Gemma3MultiModalProjector(
+            config, vision_config, int(text_config.hidden_size)
+        )
         self.language_model = Gemma3ForCausalLM(text_config, attn_backend, tp=tp)
 
     def checkpoint_name(self, name: str) -> str | None:

@@ -10,7 +10,14 @@ from pagedllm import LLM, SamplingParams
 from tests.utils import GEMMA3_MM_TOKENS, hf_gemma3_vl_greedy_and_logprobs, tiny_image
 
 MAX_NEW = 6
-ENGINE = dict(device="cpu", dtype="float32", block_size=4, max_model_len=128, num_gpu_blocks_override=128, enforce_eager=True)
+ENGINE = dict(
+    device="cpu",
+    dtype="float32",
+    block_size=4,
+    max_model_len=128,
+    num_gpu_blocks_override=128,
+    enforce_eager=True,
+)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=1)
 
 
@@ -181,3 +188,36 @@ def test_other_checkpoint_names_load(llm: LLM, tiny_gemma3_vl: str, tmp_path, re
         assert other.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == (
             llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
         )
+
+
+def test_token_id_prompts_with_a_mark_or_the_expanded_image(llm: LLM, tiny_gemma3_vl: str) -> None:
+    """A token-id prompt may hold ``<start_of_image>`` alone (expanded here, with ``<end_of_image>``) or the whole
+    expanded image (kept); the chat front-end's length estimate counts the expansion."""
+    prompt, images = CASES[0]
+    ids, new, _ = hf_gemma3_vl_greedy_and_logprobs(tiny_gemma3_vl, prompt, images, MAX_NEW)
+    tok = llm.get_tokenizer()
+    image_id, eoi = tok.convert_tokens_to_ids(["<image_soft_token>", "<end_of_image>"])
+    mark = [t for t in ids if t not in (image_id, eoi)]
+    for prompt_ids in (ids, mark):
+        out = llm.generate({"prompt_token_ids": prompt_ids, "multi_modal_data": {"image": images[0]}}, GREEDY,
+                           use_tqdm=False)[0]  # fmt: skip
+        assert out.prompt_token_ids == ids and out.outputs[0].token_ids == new
+    assert llm.llm_engine.input_processor.expanded_prompt_len(mark, 1) == len(ids)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_preemption_and_async_scheduling(
+    tiny_gemma3_vl: str, admit_while_blocks_last, async_scheduling: bool
+) -> None:
+    """A cache too small for both requests at once: one is preempted and recomputed (its image encoded again, its
+    chunks still whole around the image), and both still give transformers' tokens; with async scheduling too."""
+    engine = {**ENGINE, "max_model_len": 48, "num_gpu_blocks_override": 24, "max_num_batched_tokens": 20}
+    text = "the end of it and the rest of the words"
+    cases = [(f"{w} <start_of_image> {text}", [tiny_image(50 + i)]) for i, w in enumerate(("one", "two"))]
+    with LLM(tiny_gemma3_vl, async_scheduling=async_scheduling, **engine) as llm:
+        outs = llm.generate([_mm(p, imgs) for p, imgs in cases], GREEDY, use_tqdm=False)
+        stats = llm.llm_engine.engine_core.scheduler.make_stats()
+        _assert_clean(llm)
+    assert stats.num_preemptions > 0
+    for (prompt, images), out in zip(cases, outs):
+        _check_against_hf(tiny_gemma3_vl, out, prompt, images)
