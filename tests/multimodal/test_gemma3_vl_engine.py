@@ -221,3 +221,19 @@ def test_preemption_and_async_scheduling(
     assert stats.num_preemptions > 0
     for (prompt, images), out in zip(cases, outs):
         _check_against_hf(tiny_gemma3_vl, out, prompt, images)
+
+
+def test_pan_and_scan_crops_are_refused(llm: LLM) -> None:
+    """An image processor set to pan-and-scan (extra crops per image, each with its own image tokens) is refused
+    with the field named, not served with the crops dropped."""
+    import copy
+
+    import numpy as np
+
+    proc = copy.copy(llm.llm_engine.input_processor.mm_processor)
+    proc._image_processor = lambda images, return_tensors: {
+        "pixel_values": np.zeros((3, 3, 56, 56), np.float32),
+        "num_crops": np.array([2]),
+    }
+    with pytest.raises(ValueError, match="multi_modal_data.image: .*pan-and-scan"):
+        proc.process([1, 2], [tiny_image(1)])
