@@ -246,6 +246,15 @@ def _default_weight(name: str) -> tuple[float, float]:
     return 0.0, 0.15
 
 
+def randomize_weights(model: torch.nn.Module, seed: int, weight=_default_weight) -> None:
+    """Overwrite every parameter with seeded noise: ``weight(name)`` -> (offset, std)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            offset, std = weight(name)
+            param.copy_(offset + std * torch.randn(param.shape, generator=gen))
+
+
 def save_random_model(
     config, tokenizer, path: str | Path, seed: int, weight=_default_weight, **save_kw
 ) -> str:
@@ -256,11 +265,7 @@ def save_random_model(
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            offset, std = weight(name)
-            param.copy_(offset + std * torch.randn(param.shape, generator=gen))
+    randomize_weights(model, seed, weight)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, **save_kw)
@@ -442,11 +447,7 @@ def make_tiny_llava(
     )
     torch.manual_seed(7)
     model = model_cls(config)
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            offset, std = _default_weight(name)
-            param.copy_(offset + std * torch.randn(param.shape, generator=gen))
+    randomize_weights(model, 7)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
@@ -490,25 +491,33 @@ def tiny_image(seed: int, size: tuple[int, int] = (40, 30)):
     return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8), "RGB")
 
 
-@torch.inference_mode()
-def hf_llava_greedy_and_logprobs(path: str | Path, prompt: str, images: list, max_new_tokens: int):
-    """transformers' LLaVA (or LLaVA-NeXT: the checkpoint's architecture), float32: (prompt token ids with
-    placeholders expanded, greedy new token ids (EOS ignored), log_softmax rows [max_new_tokens, vocab] of the
-    logits that chose each of them)."""
-    from transformers import AutoProcessor, GenerationConfig
+def _hf_vlm_generate(model, max_new_tokens: int, **inputs) -> tuple[list[int], torch.Tensor]:
+    """Greedy ``generate`` of a transformers VLM on one prompt (``inputs``: input_ids [1, L], pixels...; EOS
+    ignored): (new token ids, log_softmax rows [max_new_tokens, vocab] of the logits that chose them)."""
+    from transformers import GenerationConfig
 
-    processor = AutoProcessor.from_pretrained(str(path))
-    model = _load_hf_vlm(_hf_vlm_class(path), str(path))
-    inputs = processor(text=prompt, images=images or None, return_tensors="pt")
+    inputs.setdefault("attention_mask", torch.ones_like(inputs["input_ids"]))
     gen_config = GenerationConfig(
         max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
         output_scores=True, return_dict_in_generate=True,
     )  # fmt: skip
     out = model.generate(**inputs, generation_config=gen_config)
-    prompt_ids = inputs["input_ids"][0].tolist()
-    new_ids = out.sequences[0, len(prompt_ids) :].tolist()
-    logprobs = torch.stack([torch.log_softmax(s[0].float(), -1) for s in out.scores])
-    return prompt_ids, new_ids, logprobs
+    new_ids = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
+    return new_ids, torch.stack([torch.log_softmax(s[0].float(), -1) for s in out.scores])
+
+
+@torch.inference_mode()
+def hf_llava_greedy_and_logprobs(path: str | Path, prompt: str, images: list, max_new_tokens: int):
+    """transformers' LLaVA (or LLaVA-NeXT: the checkpoint's architecture), float32: (prompt token ids with
+    placeholders expanded, greedy new token ids (EOS ignored), log_softmax rows [max_new_tokens, vocab] of the
+    logits that chose each of them)."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(str(path))
+    model = _load_hf_vlm(_hf_vlm_class(path), str(path))
+    inputs = processor(text=prompt, images=images or None, return_tensors="pt")
+    new_ids, logprobs = _hf_vlm_generate(model, max_new_tokens, **inputs)
+    return inputs["input_ids"][0].tolist(), new_ids, logprobs
 
 
 QWEN2_VL_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -553,11 +562,7 @@ def make_tiny_qwen2_vl(path: str | Path, *, v2_5: bool = False) -> str:
     )  # fmt: skip
     torch.manual_seed(9)
     model = model_cls(config)
-    gen = torch.Generator().manual_seed(9)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            offset, std = _default_weight(name)
-            param.copy_(offset + std * torch.randn(param.shape, generator=gen))
+    randomize_weights(model, 9)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
@@ -573,7 +578,7 @@ def hf_qwen2_vl_greedy_and_logprobs(path: str | Path, prompt: str, images: list,
     """transformers' Qwen2-VL (or Qwen2.5-VL: the checkpoint's architecture), float32, as
     ``hf_llava_greedy_and_logprobs`` (its processor needs torchvision for videos, so the prompt's image pads are
     expanded here: t * h * w / 4 each)."""
-    from transformers import AutoImageProcessor, AutoTokenizer, GenerationConfig
+    from transformers import AutoImageProcessor, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     model = _load_hf_vlm(_hf_vlm_class(path), str(path))
@@ -587,15 +592,7 @@ def hf_qwen2_vl_greedy_and_logprobs(path: str | Path, prompt: str, images: list,
         kwargs = dict(pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"])
     input_ids = torch.tensor([ids])
     kwargs["mm_token_type_ids"] = (input_ids == pad).int()
-    gen_config = GenerationConfig(
-        max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
-        output_scores=True, return_dict_in_generate=True,
-    )  # fmt: skip
-    out = model.generate(
-        input_ids=input_ids, attention_mask=torch.ones_like(input_ids), generation_config=gen_config, **kwargs
-    )
-    new_ids = out.sequences[0, len(ids) :].tolist()
-    logprobs = torch.stack([torch.log_softmax(s[0].float(), -1) for s in out.scores])
+    new_ids, logprobs = _hf_vlm_generate(model, max_new_tokens, input_ids=input_ids, **kwargs)
     return ids, new_ids, logprobs
 
 
@@ -632,11 +629,7 @@ def make_tiny_gemma3_vl(path: str | Path) -> str:
     )  # fmt: skip
     torch.manual_seed(11)
     model = Gemma3ForConditionalGeneration(config)
-    gen = torch.Generator().manual_seed(11)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            offset, std = _default_weight(name)
-            param.copy_(offset + std * torch.randn(param.shape, generator=gen))
+    randomize_weights(model, 11)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
@@ -650,7 +643,7 @@ def hf_gemma3_vl_greedy_and_logprobs(path: str | Path, prompt: str, images: list
     """transformers' Gemma 3 with images, float32, as ``hf_llava_greedy_and_logprobs``: each ``<start_of_image>``
     of the prompt becomes ``<start_of_image>`` + 16 image tokens + ``<end_of_image>``, and ``token_type_ids`` marks
     the image tokens (their bidirectional block mask)."""
-    from transformers import AutoImageProcessor, AutoTokenizer, GenerationConfig
+    from transformers import AutoImageProcessor, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     model = _load_hf_vlm(_hf_vlm_class(path), str(path))
@@ -664,13 +657,5 @@ def hf_gemma3_vl_greedy_and_logprobs(path: str | Path, prompt: str, images: list
         kwargs["pixel_values"] = AutoImageProcessor.from_pretrained(str(path))(images=images, return_tensors="pt")[
             "pixel_values"
         ]
-    gen_config = GenerationConfig(
-        max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
-        output_scores=True, return_dict_in_generate=True,
-    )  # fmt: skip
-    out = model.generate(
-        input_ids=input_ids, attention_mask=torch.ones_like(input_ids), generation_config=gen_config, **kwargs
-    )
-    new_ids = out.sequences[0, len(ids) :].tolist()
-    logprobs = torch.stack([torch.log_softmax(s[0].float(), -1) for s in out.scores])
+    new_ids, logprobs = _hf_vlm_generate(model, max_new_tokens, input_ids=input_ids, **kwargs)
     return ids, new_ids, logprobs

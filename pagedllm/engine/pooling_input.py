@@ -20,6 +20,11 @@ class PoolingPrompt:
     token_type_ids: list[int] | None = None  # BERT segment ids of a text pair, when any is not 0
 
 
+def _prompt(text: str, ids: list[int], types: list[int] | None) -> PoolingPrompt:
+    """A tokenized text; its segment ids kept only when some are not 0."""
+    return PoolingPrompt(text, list(ids), list(types) if types and any(types) else None)
+
+
 class PoolingInputProcessor:
     def __init__(self, config: EngineConfig, tokenizer: Any) -> None:
         self.config = config
@@ -50,8 +55,7 @@ class PoolingInputProcessor:
             if max_length:
                 kwargs["truncation"] = "longest_first"
             enc = self.tokenizer(text, text_pair, **kwargs)
-        types = enc.get("token_type_ids")
-        return PoolingPrompt(text, list(enc["input_ids"]), list(types) if types and any(types) else None)
+        return _prompt(text, enc["input_ids"], enc.get("token_type_ids"))
 
     def tokenize_batch(self, items: list[tuple[Any, Any, str | None]]) -> list[Any]:
         """``items`` (prompt, params, text pair) with each plain text prompt (a non-empty string or
@@ -72,8 +76,7 @@ class PoolingInputProcessor:
             enc = self.tokenizer([texts[i] for i in indices], **kwargs)
             types = enc.get("token_type_ids")
             for j, i in enumerate(indices):
-                t = types[j] if types else None
-                out[i] = PoolingPrompt(texts[i], list(enc["input_ids"][j]), list(t) if t and any(t) else None)
+                out[i] = _prompt(texts[i], enc["input_ids"][j], types[j] if types else None)
         return out
 
     def _token_ids(self, ids: Any, field: str) -> list[int]:

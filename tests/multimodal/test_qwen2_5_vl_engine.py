@@ -10,7 +10,15 @@ import pytest
 
 from pagedllm import LLM
 from tests.multimodal.test_llava_engine import _resave_with_names
-from tests.multimodal.test_qwen2_vl_engine import CASES, ENGINE, GREEDY, _assert_clean, _check, _prompt
+from tests.multimodal.test_qwen2_vl_engine import (
+    CASES,
+    ENGINE,
+    GREEDY,
+    _assert_clean,
+    _check,
+    _prompt,
+    qwen_vl_module_name,
+)
 
 
 @pytest.mark.parametrize("max_num_batched_tokens", [None, 8])
@@ -39,15 +47,7 @@ def test_prefix_hit_on_a_repeated_image(tiny_qwen2_5_vl: str) -> None:
 def test_transformers5_checkpoint_names_load(tiny_qwen2_5_vl: str, tmp_path) -> None:
     """transformers saves Qwen's original names (visual.*, model.*, lm_head.*); its module names
     (model.visual.*, model.language_model.*) load into the same model too."""
-
-    def rename(name: str) -> str:
-        if name.startswith("visual."):
-            return "model." + name
-        if name.startswith("model."):
-            return "model.language_model." + name[len("model.") :]
-        return name
-
-    path = _resave_with_names(tiny_qwen2_5_vl, tmp_path / "renamed", rename)
+    path = _resave_with_names(tiny_qwen2_5_vl, tmp_path / "renamed", qwen_vl_module_name)
     prompt, images = CASES[0]
     with LLM(path, **ENGINE) as other:
         out = other.generate(_prompt(prompt, images), GREEDY, use_tqdm=False)[0]

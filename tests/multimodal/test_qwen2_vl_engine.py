@@ -78,19 +78,22 @@ def test_prefix_hit_and_chat(tiny_qwen2_vl: str) -> None:
     _check(tiny_qwen2_vl, first, prompt, images)
 
 
+def qwen_vl_module_name(name: str) -> str:
+    """A Qwen2(.5)-VL checkpoint name as transformers 5's module names spell it (visual.* -> model.visual.*,
+    model.* -> model.language_model.*)."""
+    if name.startswith("visual."):
+        return "model." + name
+    if name.startswith("model."):
+        return "model.language_model." + name[len("model.") :]
+    return name
+
+
 def test_transformers5_checkpoint_names_load(tiny_qwen2_vl: str, tmp_path) -> None:
     """transformers saves Qwen's original names (visual.*, model.*, lm_head.*); its module names
     (model.visual.*, model.language_model.*) load into the same model too."""
     from tests.multimodal.test_llava_engine import _resave_with_names
 
-    def rename(name: str) -> str:
-        if name.startswith("visual."):
-            return "model." + name
-        if name.startswith("model."):
-            return "model.language_model." + name[len("model.") :]
-        return name
-
-    path = _resave_with_names(tiny_qwen2_vl, tmp_path / "renamed", rename)
+    path = _resave_with_names(tiny_qwen2_vl, tmp_path / "renamed", qwen_vl_module_name)
     prompt, images = CASES[0]
     with LLM(path, **ENGINE) as other:
         out = other.generate(_prompt(prompt, images), GREEDY, use_tqdm=False)[0]
