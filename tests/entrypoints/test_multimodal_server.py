@@ -71,3 +71,22 @@ def test_bad_images_are_400s_and_the_server_keeps_serving(server, tiny_llava, co
     assert err["param"] == param and err["type"] == "invalid_request_error", err
     ok = server.openai_client().chat.completions.create(model=tiny_llava, messages=_message(tiny_image(1)), max_tokens=2)
     assert ok.choices[0].finish_reason == "length"
+
+
+def test_bench_serve_random_mm_against_the_server(server, tiny_llava, tmp_path) -> None:
+    """`pagedllm bench serve --dataset-name random-mm` drives the chat endpoint with images: every request
+    succeeds and returns its asked output length."""
+    import json
+
+    from tests.benchmarks.test_serve_bench import _bench
+
+    result = tmp_path / "mm.json"
+    _bench(
+        server, tiny_llava, "--backend", "openai-chat", "--dataset-name", "random-mm", "--num-prompts", "4",
+        "--random-input-len", "8", "--random-output-len", "3", "--random-mm-base-items-per-request", "1",
+        "--random-mm-bucket-config", "{(28, 28, 1): 1.0}", "--random-mm-num-unique-images", "2",
+        "--disable-tqdm", "--save-result", "--result-filename", str(result),
+    )  # fmt: skip
+    data = json.loads(result.read_text())
+    assert data["completed"] == 4
+    assert data["total_output_tokens"] == 12
