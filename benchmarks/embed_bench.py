@@ -172,7 +172,9 @@ def _release() -> None:
         torch.cuda.empty_cache()
 
 
-def run_pagedllm(path: Path, texts: list[str], dtype: str, profile: bool) -> tuple[dict, torch.Tensor]:
+def run_pagedllm(
+    path: Path, texts: list[str], dtype: str, profile: bool, torch_profile: bool = False
+) -> tuple[dict, torch.Tensor]:
     from pagedllm import LLM
 
     with LLM(str(path), runner="pooling", dtype=dtype, max_model_len=512, seed=0) as llm:
@@ -188,6 +190,16 @@ def run_pagedllm(path: Path, texts: list[str], dtype: str, profile: bool) -> tup
             _sync()
             prof.disable()
             pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        if torch_profile and DEVICE == "cuda":  # where the device time goes, and how much of the wall it fills
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as torch_profiler
+
+            with torch_profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tp:
+                wall, _ = _timed(lambda: llm.embed(texts, use_tqdm=False))
+            events = tp.key_averages()
+            device_us = sum(e.self_device_time_total for e in events)
+            print(json.dumps({"profiled_wall_s": round(wall, 3), "device_busy_s": round(device_us / 1e6, 3)}))
+            print(events.table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=60))
     emb = torch.tensor([o.outputs.embedding for o in outs[:64]])
     _release()
     return {"seconds": seconds}, emb
@@ -213,6 +225,10 @@ def main() -> None:
     ap.add_argument("--model-dir", default="/tmp/embed-bench")
     ap.add_argument("--st-batch-sizes", default="128,256")
     ap.add_argument("--profile", action="store_true", help="also print a cProfile of pagedllm's pass")
+    ap.add_argument(
+        "--torch-profile", action="store_true", help="also print the device time of a profiled pass, by kernel"
+    )
+    ap.add_argument("--skip-st", action="store_true", help="pagedllm only (no sentence-transformers rows)")
     args = ap.parse_args()
 
     path = build_checkpoint(args.shape, Path(args.model_dir))
@@ -224,9 +240,12 @@ def main() -> None:
     t0 = time.perf_counter()
     num_tokens = sum(len(ids) for ids in tokenizer(texts)["input_ids"])
     print(json.dumps({"tokenize_all_seconds": round(time.perf_counter() - t0, 3)}))
-    ours, ours_emb = run_pagedllm(path, texts, args.dtype, args.profile)
+    ours, ours_emb = run_pagedllm(path, texts, args.dtype, args.profile, args.torch_profile)
     rows = {"pagedllm": ours}
     best_st, st_emb = None, None
+    if args.skip_st:
+        print(json.dumps({"engine": "pagedllm", "seqs_per_s": round(len(texts) / ours["seconds"], 1)}))
+        return
     for bs in (int(b) for b in args.st_batch_sizes.split(",")):
         row, emb = run_st(path, texts, args.dtype, bs)
         rows[f"sentence-transformers bs={bs}"] = row

@@ -2,7 +2,8 @@
 
 ``python -m pagedllm.benchmarks.shapes OUT_DIR`` writes ``OUT_DIR/<name>`` for every entry of ``SHAPES``
 (llama-3.1-8b, llama-3.3-70b, qwen3-0.6b, qwen3-30b-a3b, qwen3-235b-a22b, gemma-3-12b, deepseek-v2-lite): the
-architecture's config.json and a small stand-in tokenizer (benchmarks send token ids and skip detokenizing).
+architecture's config.json and a stand-in word-level tokenizer of 32,000 ids (benchmarks send token ids and skip
+detokenizing).
 """
 
 from __future__ import annotations
@@ -202,11 +203,17 @@ SHAPES["qwen3-235b-a22b"] = {
 }
 
 
+STAND_IN_VOCAB = 32000  # below every shape's vocab_size
+
+
 def _write_tokenizer(path: Path) -> None:
+    """A word-level tokenizer of ``STAND_IN_VOCAB`` ids. Random-prompt datasets draw their ids from it (vLLM's
+    ``(offset + i + j) % vocab``): with a vocabulary of a few dozen ids, prompts would repeat one another and prefix
+    caching would skip most prefills."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {"<s>": 0, "</s>": 1, "<unk>": 2, **{chr(ord("a") + i): 3 + i for i in range(26)}}
+    vocab = {"<s>": 0, "</s>": 1, "<unk>": 2, **{f"w{i}": 3 + i for i in range(STAND_IN_VOCAB - 3)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")

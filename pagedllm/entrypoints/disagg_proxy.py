@@ -63,6 +63,9 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+KEEPALIVE_EXPIRY_S = 2.0  # below the backends' keep-alive timeout
+
+
 class DisaggProxy:
     def __init__(self, prefill_urls: list[str], decode_urls: list[str], timeout_s: float = 600.0) -> None:
         if not prefill_urls or not decode_urls:
@@ -72,8 +75,11 @@ class DisaggProxy:
         self._prefill = itertools.cycle(self.prefill_urls)
         self._decode = itertools.cycle(self.decode_urls)
         self._warned: set[str] = set()  # prefill instances that returned no handle (said once)
+        # Idle connections are dropped before the backends' own keep-alive timeout (uvicorn's: 5 s) closes them:
+        # reusing one the server is closing at that moment fails the request with a ReadError.
         self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout_s, connect=5.0), limits=httpx.Limits(max_connections=None)
+            timeout=httpx.Timeout(timeout_s, connect=5.0),
+            limits=httpx.Limits(max_connections=None, keepalive_expiry=KEEPALIVE_EXPIRY_S),
         )
 
     async def close(self) -> None:

@@ -146,3 +146,20 @@ def test_prefill_leg_asks_one_token_and_keeps_the_kv():
     assert out == {"model": "m", "messages": [], "max_tokens": 1, "stream": False, "n": 1,
                    "kv_transfer_params": {"do_remote_decode": True}}  # fmt: skip
     assert body["max_completion_tokens"] == 50  # the decode leg's request is untouched
+
+
+def test_idle_connections_expire_before_the_backends_close_them():
+    """A pooled connection the backend is closing when the proxy reuses it fails that request (ReadError); the
+    proxy drops idle connections before uvicorn's keep-alive timeout does."""
+    import asyncio
+
+    import uvicorn
+
+    from pagedllm.entrypoints.disagg_proxy import KEEPALIVE_EXPIRY_S, DisaggProxy
+
+    assert KEEPALIVE_EXPIRY_S < uvicorn.Config(app=None).timeout_keep_alive
+    proxy = DisaggProxy(["http://127.0.0.1:1"], ["http://127.0.0.1:2"])
+    try:
+        assert proxy.client._transport._pool._keepalive_expiry == KEEPALIVE_EXPIRY_S
+    finally:
+        asyncio.run(proxy.close())
