@@ -77,6 +77,12 @@ class PrometheusStatLogger:
         self.external_prefix_cache_hits = counter(
             "external_prefix_cache_hits", "Prompt tokens loaded from a KV connector's store instead of recomputed."
         )
+        self.encoder_cache_queries = counter(
+            "encoder_cache_queries", "Images whose embeddings a request needed (once per request and image)."
+        )
+        self.encoder_cache_hits = counter(
+            "encoder_cache_hits", "Images whose embeddings were already in the encoder cache (not encoded again)."
+        )
         self.num_preemptions = counter("num_preemptions", "Requests preempted (their KV cache freed) so far.")
         self.integrity_check_failures = counter(
             "integrity_check_failures", "Failed idle-time KV cache integrity checks (nonzero means a bug)."
@@ -156,6 +162,8 @@ class PrometheusStatLogger:
         self._advance(
             self.external_prefix_cache_hits, "external_prefix_cache_hits", stats.external_prefix_cache_hits
         )
+        self._advance(self.encoder_cache_queries, "encoder_cache_queries", stats.encoder_cache_queries)
+        self._advance(self.encoder_cache_hits, "encoder_cache_hits", stats.encoder_cache_hits)
         self._advance(self.num_preemptions, "num_preemptions", stats.num_preemptions)
         self._advance(self.integrity_check_failures, "num_integrity_failures", stats.num_integrity_failures)
         if stats.spec_num_drafts or "spec_num_drafts" in self._last_cumulative:

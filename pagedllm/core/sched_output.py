@@ -87,6 +87,10 @@ class SchedulerStats:
     external_prefix_cache_queries: int = 0
     external_prefix_cache_hits: int = 0
     kv_connector_stats: dict[str, int] = field(default_factory=dict)
+    # The encoder cache (cumulative): images a request first needed embeddings of, and those whose embeddings were
+    # already cached (or being computed) for another request, so not encoded again (encoder_cache.py).
+    encoder_cache_queries: int = 0
+    encoder_cache_hits: int = 0
 
 
 @dataclass

@@ -814,6 +814,8 @@ class Scheduler:
             spec_num_draft_tokens=self.spec_num_draft_tokens,
             spec_num_accepted_tokens=self.spec_num_accepted_tokens,
             spec_accepted_per_pos=list(self.spec_accepted_per_pos),
+            encoder_cache_queries=self.encoder_cache.num_queries if self.encoder_cache is not None else 0,
+            encoder_cache_hits=self.encoder_cache.num_hits if self.encoder_cache is not None else 0,
         )
 
     def check_integrity(self, block_ids: range | None = None) -> None:

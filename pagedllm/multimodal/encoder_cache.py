@@ -9,6 +9,10 @@ image (or finished, or was preempted), the entry is freed: its hash goes to the 
 Room is counted in embedding rows (one per placeholder token); ``cache_size`` is at least the largest image, so
 any one image always fits once the cache is empty. The per-step compute budget (``Scheduler``) uses the same
 unit: vLLM's encoder budget, kept simple.
+
+Hit counting: a request's first reference to an image is one query; it is a hit when the entry already existed
+(encoded, or being encoded this step, for another request), so the image is not encoded again. A request that is
+preempted and resumes queries its images again.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ class EncoderCacheManager:
         self.cached: dict[str, set[str]] = {}  # mm_hash -> ids of the requests that still need it
         self.sizes: dict[str, int] = {}  # mm_hash -> embedding rows
         self.freed: list[str] = []  # freed since the last take_freed(): the runner drops them
+        self.num_queries = 0  # cumulative first references of a request to an image
+        self.num_hits = 0  # cumulative such references to an entry that already existed
 
     def has(self, mm_hash: str) -> bool:
         return mm_hash in self.cached
@@ -34,6 +40,9 @@ class EncoderCacheManager:
         """``request_id`` needs ``feature``'s embeddings: a new entry (the runner encodes it this step) or one
         more user of an existing one."""
         users = self.cached.get(feature.mm_hash)
+        if users is None or request_id not in users:
+            self.num_queries += 1
+            self.num_hits += users is not None
         if users is None:
             assert feature.length <= self.num_free_slots, "allocate only after can_allocate"
             users = self.cached[feature.mm_hash] = set()

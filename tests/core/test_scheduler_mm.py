@@ -80,3 +80,23 @@ def test_shared_image_is_encoded_once_and_freed_with_its_last_user() -> None:
     assert out.free_encoder_mm_hashes == ["a"]
     assert not sched.requests
     sched.check_integrity()
+
+
+def test_encoder_cache_queries_and_hits() -> None:
+    """Same image in two requests of one step: two queries, one hit (the second reads the first's entry); a chunk
+    that continues an image already referenced is no new query; different images: no hit."""
+    sched = make_scheduler(budget=64, encoder_cache_size=64)
+    sched.add_request(mm_request("r1", [("a", 1, 8)], 12, text=1))
+    sched.add_request(mm_request("r2", [("a", 1, 8)], 12, text=2))
+    step(sched)
+    stats = sched.make_stats()
+    assert (stats.encoder_cache_queries, stats.encoder_cache_hits) == (2, 1)
+    step(sched)
+    sched = make_scheduler(budget=6, encoder_cache_size=64)  # r3's image spans two chunks: one query
+    sched.add_request(mm_request("r3", [("b", 1, 8)], 12, text=3))
+    sched.add_request(mm_request("r4", [("c", 1, 8)], 12, text=4))
+    for _ in range(6):
+        step(sched)
+    stats = sched.make_stats()
+    assert (stats.encoder_cache_queries, stats.encoder_cache_hits) == (2, 0)
+    assert not sched.requests

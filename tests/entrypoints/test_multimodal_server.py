@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from tests.entrypoints.server_utils import RemoteServer
+from tests.entrypoints.server_utils import RemoteServer, metric
 from tests.utils import tiny_image
 
 
@@ -90,3 +90,15 @@ def test_bench_serve_random_mm_against_the_server(server, tiny_llava, tmp_path) 
     data = json.loads(result.read_text())
     assert data["completed"] == 4
     assert data["total_output_tokens"] == 12
+
+
+def test_encoder_cache_counters_on_metrics(server, tiny_llava) -> None:
+    """A chat request with an image not seen before is one encoder-cache query and no hit."""
+    before = server.wait_idle()
+    assert "pagedllm:encoder_cache_queries_total" in httpx.get(server.base_url + "/metrics", timeout=10).text
+    server.openai_client().chat.completions.create(
+        model=tiny_llava, messages=_message(tiny_image(77, (33, 21))), max_tokens=2
+    )
+    after = server.wait_idle()
+    assert metric(after, "encoder_cache_queries_total") - metric(before, "encoder_cache_queries_total") == 1
+    assert metric(after, "encoder_cache_hits_total") == metric(before, "encoder_cache_hits_total")

@@ -107,9 +107,18 @@ def test_concurrent_requests_share_one_encoding(llm: LLM) -> None:
     runner = _core(llm).runner.encoder_runner
     encoded = runner.num_encoded
     llm.reset_prefix_cache()
+    before = _core(llm).scheduler.make_stats()
     prompts = [_mm(f"{w} <image> tail", [tiny_image(21)]) for w in ("one", "two", "three")]
     llm.generate(prompts, GREEDY, use_tqdm=False)
     assert runner.num_encoded == encoded + 1
+    after = _core(llm).scheduler.make_stats()  # three queries of the image, two of them hits
+    assert after.encoder_cache_queries - before.encoder_cache_queries == 3
+    assert after.encoder_cache_hits - before.encoder_cache_hits == 2
+    llm.generate([_mm("four <image> tail", [tiny_image(22)]), _mm("five <image> tail", [tiny_image(23)])], GREEDY,
+                 use_tqdm=False)  # fmt: skip
+    last = _core(llm).scheduler.make_stats()  # different images: no hit
+    assert last.encoder_cache_queries == after.encoder_cache_queries + 2
+    assert last.encoder_cache_hits == after.encoder_cache_hits
     _assert_clean(llm)
 
 
