@@ -9,9 +9,11 @@ no checkpoint read), bfloat16, SDPA attention, on CUDA (CPU: a smoke run of the 
 qwen2.5-vl-7b shape (``pagedllm.benchmarks.shapes``) written under ``--model-dir``.
 
 Requests: ``random_mm_prompts`` with the arguments bench serve gets (same seed, same texts, same JPEG images, one
-per request), each a user message [text, image] through the directory's chat template; the image is decoded and
-processed by the directory's image processor, its ``<|image_pad|>`` expanded to the image's token count (what
-Qwen2.5-VL's processor does; done here so that no video processor, hence no torchvision, is needed).
+per request), each a user message through the directory's chat template with the content both servers give it
+(pagedllm's layout, vLLM's with ``--chat-template-content-format string``): the image mark
+``<|vision_start|><|image_pad|><|vision_end|>``, a newline, the text. The image is decoded and processed by the
+directory's image processor, its ``<|image_pad|>`` expanded to the image's token count (what Qwen2.5-VL's processor
+does; done here so that no video processor, hence no torchvision, is needed).
 
 Serving: static batches of ``--batch-size`` requests in dataset order, left padded, ``generate(max_new_tokens=N,
 min_new_tokens=N, do_sample=False)``: every request makes exactly ``--output-len`` tokens, like ``--ignore-eos``.
@@ -42,6 +44,7 @@ from pagedllm.benchmarks.datasets import random_mm_prompts
 from pagedllm.benchmarks.shapes import write_shape_dir
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+IMAGE_MARK = "<|vision_start|><|image_pad|><|vision_end|>"  # one image in a Qwen2-VL chat prompt
 
 
 def _sync() -> None:
@@ -59,7 +62,7 @@ def build_requests(
     tokenizer: Any, num_prompts: int, input_len: int, output_len: int, width: int, height: int, seed: int
 ) -> list[tuple[str, str]]:
     """``(chat-template text with one image mark, image data URL)`` per request: bench serve's random-mm requests
-    (one image of ``width`` x ``height`` each) as its openai-chat backend sends them."""
+    (one image of ``width`` x ``height`` each) as the servers render them (image mark first, then the text)."""
     requests = random_mm_prompts(
         tokenizer, num_prompts, input_len, output_len, seed=seed, base_items_per_request=1,
         limit_mm_per_prompt={"image": 1}, bucket_config={(height, width, 1): 1.0},
@@ -67,7 +70,7 @@ def build_requests(
     out = []
     for r in requests:
         (part,) = r.mm_content
-        messages = [{"role": "user", "content": [{"type": "text", "text": r.prompt or ""}, {"type": "image"}]}]
+        messages = [{"role": "user", "content": IMAGE_MARK + "\n" + (r.prompt or "")}]
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         out.append((text, part["image_url"]["url"]))
     return out

@@ -15,6 +15,10 @@
 #          from the /metrics deltas around the run (pagedllm:encoder_cache_{queries,hits}_total).
 #   vllm:  when `import vllm` works (../shared/device/vllm: `source install.sh` first), `vllm serve` of the same
 #          directory (VLLM_ARGS added), warm-up, the workload, then the repeated-images run; skipped otherwise.
+#          `--chat-template-content-format string` makes vLLM render a message as pagedllm does (the image mark, a
+#          newline, the text: vLLM's layout for string templates), so both prefill the same prompt and a repeated
+#          image can be a prefix-cache hit on both; its cache counters (vllm:prefix_cache_*, vllm:mm_cache_*: the
+#          processor's cache, not an encoder cache) are printed as found.
 #   hf:    benchmarks/vl_hf_bench.py: transformers' Qwen2_5_VLForConditionalGeneration with random weights, static
 #          batches of HF_BATCH, HF_NUM_PROMPTS of the same requests; TTFT as bench serve's at rate inf (its
 #          docstring says how). One JSON line.
@@ -52,7 +56,8 @@ start_server() {  # ENGINE (pagedllm | vllm): serves $M on $port in the backgrou
   local engine=$1 log="$out/mm_$1_server.log" t0=$(date +%s)
   if [ "$engine" = vllm ]; then
     $py -m vllm.entrypoints.cli.main serve "$M" --load-format dummy --dtype bfloat16 --max-model-len 8192 \
-      --limit-mm-per-prompt '{"image": 1, "video": 0}' --gpu-memory-utilization 0.9 --port $port --seed 0 \
+      --limit-mm-per-prompt '{"image": 1, "video": 0}' --chat-template-content-format string \
+      --gpu-memory-utilization 0.9 --port $port --seed 0 \
       $VLLM_ARGS > "$log" 2>&1 &
   else
     $py -m pagedllm.entrypoints.cli serve "$M" --load-format dummy --dtype bfloat16 --max-model-len 8192 \
