@@ -23,7 +23,9 @@
 #          batches of HF_BATCH, HF_NUM_PROMPTS of the same requests; TTFT as bench serve's at rate inf (its
 #          docstring says how). One JSON line.
 # Needs pillow (and the server wheels) on the GPU machine: `../shared/device/gpu-wheels.sh pillow`, carry .whl.
-# vLLM's Qwen2.5-VL processor may also want torchvision (its video processor); without it vLLM's log says so.
+# vLLM loads Qwen2.5-VL's whole HF processor, whose video processor needs torchvision under transformers 5: where
+# the image lacks it, add torchvision==0.26.0 (torch 2.11's) the same way; a .whl/torchvision-*.whl is installed
+# when torchvision does not import (then every engine's image processor uses its torchvision backend).
 # MODEL=DIR serves another Qwen2.5-VL directory instead of the shape (a quick check of the suite itself).
 # Logs and result JSON go to $OUT (or .out/) as mm_*; each server's log is mm_<engine>_server.log.
 # Multimodal rows (measured numbers belong in docs/benchmarks.md): pagedllm vs vLLM req/s and TTFT p50/p99, and
@@ -32,10 +34,15 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 source benchmarks/lib.sh "$@"
 use_wheels "fastapi, uvicorn, httpx"
-if ! $py -c "import PIL" 2>/dev/null && ls .whl/[Pp]illow-*.whl >/dev/null 2>&1; then
-  $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/[Pp]illow-*.whl \
-    && export PYTHONPATH="/tmp/site:$PYTHONPATH"
-fi
+one_wheel() {  # MODULE GLOB: when MODULE does not import, installs the carried .whl/GLOB alone (not every wheel:
+  # after install.sh, /tmp/site holds vLLM's own pins, which use_wheels' --upgrade of all .whl could replace)
+  if ! $py -c "import $1" 2>/dev/null && compgen -G ".whl/$2" >/dev/null; then
+    $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/$2 \
+      && export PYTHONPATH="/tmp/site:$PYTHONPATH"
+  fi
+}
+one_wheel PIL "[Pp]illow-*.whl"
+one_wheel torchvision "torchvision-*.whl"
 if ! $py -c "import PIL" 2>/dev/null; then
   echo "pillow is missing: images cannot be made or read. Run ../shared/device/gpu-wheels.sh pillow here and"
   echo "carry .whl (the suite installs .whl/pillow-*.whl when PIL does not import)."
