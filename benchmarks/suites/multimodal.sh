@@ -12,7 +12,9 @@
 #   ours:  `pagedllm serve` (SERVE_ARGS added), a 16-request warm-up, then the workload.
 #   hits:  the same server (started if `ours` did not run), the workload again with the images drawn from a pool of
 #          UNIQUE (--random-mm-num-unique-images, seed 1): the encoder cache's hit rate (and the prefix cache's)
-#          from the /metrics deltas around the run (pagedllm:encoder_cache_{queries,hits}_total).
+#          from the /metrics deltas around the run (pagedllm:encoder_cache_{queries,hits}_total). pagedllm frees an
+#          image's entry once no running request needs it, so a hit needs another request holding the image at the
+#          time; a repeated image wholly inside a prefix-cache hit needs no lookup at all (not a query).
 #   vllm:  when `import vllm` works (../shared/device/vllm: `source install.sh` first), `vllm serve` of the same
 #          directory (VLLM_ARGS added), warm-up, the workload, then the repeated-images run; skipped otherwise.
 #          `--chat-template-content-format string` makes vLLM render a message as pagedllm does (the image mark, a
