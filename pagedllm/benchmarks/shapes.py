@@ -211,8 +211,8 @@ SHAPES["qwen3-235b-a22b"] = {
 
 # Qwen2.5-VL-7B-Instruct: a Qwen2.5-7B text model (M-RoPE sections 16/24/24 of the 64 rotary pairs) under a
 # 32-block ViT of width 1280 over 14x14 patches (2x2 merged into one token; window attention in 112-pixel windows,
-# full attention in blocks 7, 15, 23, 31). Nested text_config / vision_config as transformers 5 saves them; the
-# text config also keeps the older rope_theta / rope_scaling spelling for readers that predate rope_parameters.
+# full attention in blocks 7, 15, 23, 31). Nested text_config / vision_config as transformers 5 saves them (no
+# legacy rope_scaling beside rope_parameters: vLLM refuses a "type" that differs from "rope_type").
 _QWEN25_VL_MROPE = [16, 24, 24]
 SHAPES["qwen2.5-vl-7b"] = {
     "architectures": ["Qwen2_5_VLForConditionalGeneration"],
@@ -230,7 +230,6 @@ SHAPES["qwen2.5-vl-7b"] = {
         "hidden_act": "silu",
         "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": _QWEN25_VL_MROPE},
         "rope_theta": 1000000.0,
-        "rope_scaling": {"type": "mrope", "rope_type": "default", "mrope_section": _QWEN25_VL_MROPE},
         "sliding_window": 32768,
         "use_sliding_window": False,
         "max_window_layers": 28,

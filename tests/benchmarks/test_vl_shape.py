@@ -39,7 +39,7 @@ def _shrink(src: str, dst: Path) -> str:
     mrope = [2, 3, 3]  # head_dim 16: 8 rotary pairs
     text.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=1024, max_window_layers=2)  # fmt: skip
-    text["rope_parameters"]["mrope_section"] = text["rope_scaling"]["mrope_section"] = mrope
+    text["rope_parameters"]["mrope_section"] = mrope
     config["vision_config"].update(depth=2, hidden_size=32, intermediate_size=48, num_heads=4, out_hidden_size=64,
                                    fullatt_block_indexes=[1])  # fmt: skip
     (dst / "config.json").write_text(json.dumps(config))
