@@ -23,7 +23,8 @@
 #          processor's cache, not an encoder cache) are printed as found.
 #   hf:    benchmarks/vl_hf_bench.py: transformers' Qwen2_5_VLForConditionalGeneration with random weights, static
 #          batches of HF_BATCH, HF_NUM_PROMPTS of the same requests; TTFT as bench serve's at rate inf (its
-#          docstring says how). One JSON line.
+#          docstring says how). One JSON line. Given no section, the suite runs it only when the vllm section got
+#          no result (the baseline is vLLM when vLLM runs the model, else transformers); named, it always runs.
 # Needs pillow (and the server wheels) on the GPU machine: `../shared/device/gpu-wheels.sh pillow`, carry .whl.
 # vLLM loads Qwen2.5-VL's whole HF processor, whose video processor needs torchvision under transformers 5: where
 # the image lacks it, add torchvision==0.26.0 (torch 2.11's) the same way; a .whl/torchvision-*.whl is installed
@@ -57,7 +58,7 @@ SERVE_ARGS="${SERVE_ARGS:-}"; VLLM_ARGS="${VLLM_ARGS:-}"
 M="${MODEL:-$out/models/qwen2.5-vl-7b}"
 [ -n "${MODEL:-}" ] || $py -c "from pagedllm.benchmarks.shapes import write_shape_dir as w; w('qwen2.5-vl-7b', '$M')" \
   || { echo "could not write the shape directory"; exit 2; }
-port=8765; spid=""; suite_t0=$(date +%s)
+port=8765; spid=""; vllm_ok=0; suite_t0=$(date +%s)
 stop_server() { [ -n "$spid" ] && { kill "$spid" 2>/dev/null; wait "$spid" 2>/dev/null; }; spid=""; }
 trap stop_server EXIT
 
@@ -142,7 +143,7 @@ if want vllm; then
   if $py -c "import vllm" 2>/dev/null; then
     echo "=== vLLM $($py -c 'import vllm; print(vllm.__version__)'): the same workloads ($VLLM_ARGS)"
     if start_server vllm; then
-      workload vllm && repeated vllm vllm: || tail -25 "$out/mm_vllm_server.log"
+      if workload vllm; then vllm_ok=1; repeated vllm vllm:; else tail -25 "$out/mm_vllm_server.log"; fi
     fi
     stop_server
   else
@@ -151,7 +152,8 @@ if want vllm; then
   echo "    ($(( $(date +%s) - t0 )) s)"
 fi
 
-if want hf; then
+named_hf=0; for a in "${ARGS[@]}"; do [ "$a" = hf ] && named_hf=1; done
+if [ "$named_hf" = 1 ] || { [ ${#ARGS[@]} -eq 0 ] && [ "$vllm_ok" = 0 ]; }; then
   t0=$(date +%s)
   echo "=== transformers: $HF_NUM_PROMPTS requests, static batches of $HF_BATCH"
   timeout "${HF_TIMEOUT:-480}" $py benchmarks/vl_hf_bench.py --model "$M" --num-prompts "$HF_NUM_PROMPTS" \
