@@ -373,11 +373,11 @@ class Scheduler:
         for i, feature in enumerate(request.mm_features):
             if feature.offset >= end:
                 break
-            if feature.end <= num_computed or cache.has(feature.mm_hash):
+            if feature.end <= num_computed or cache.lookup(feature.mm_hash):
                 continue
             if any(request.mm_features[j].mm_hash == feature.mm_hash for j in to_encode):
                 continue  # the same image twice in one prompt: encoded once
-            if cost + feature.length > encoder_budget or cost + feature.length > cache.num_free_slots:
+            if cost + feature.length > encoder_budget or cost + feature.length > cache.room():
                 return max(0, feature.offset - num_computed), to_encode, cost
             to_encode.append(i)
             cost += feature.length
@@ -624,6 +624,7 @@ class Scheduler:
             scheduled_spec_decode_tokens=spec_tokens,
         )
         if encoder_cache is not None:
+            encoder_cache.end_step()
             out.scheduled_encoder_inputs = encoder_inputs
             out.free_encoder_mm_hashes = encoder_cache.take_freed()
         if self.connector is not None:

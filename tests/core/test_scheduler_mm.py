@@ -35,11 +35,12 @@ def test_chunk_stops_before_an_image_the_step_cannot_encode() -> None:
     sched.add_request(mm_request("r", [("a", 2, 16), ("b", 20, 16)], 40))
     out, _ = step(sched)
     assert out.scheduled_encoder_inputs == {"r": [0]} and out.num_scheduled_tokens == {"r": 20}
-    out, _ = step(sched)  # a's placeholders are computed: its entry is freed, b fits
+    out, _ = step(sched)  # a's placeholders are computed: its entry is freeable, evicted for b's room
     assert out.free_encoder_mm_hashes == ["a"]
     assert out.scheduled_encoder_inputs == {"r": [1]} and out.num_scheduled_tokens == {"r": 20}
-    out, _ = step(sched)  # a decode
-    assert out.free_encoder_mm_hashes == ["b"] and out.num_scheduled_tokens == {"r": 1}
+    out, _ = step(sched)  # a decode: b is freeable now, kept until a new image needs its room
+    assert out.free_encoder_mm_hashes == [] and out.num_scheduled_tokens == {"r": 1}
+    assert list(sched.encoder_cache.freeable) == ["b"]
     sched.check_integrity()
 
 
@@ -52,7 +53,7 @@ def test_a_chunk_inside_an_image_encodes_it_once() -> None:
         encoded += out.scheduled_encoder_inputs.get("r", [])
         assert out.num_scheduled_tokens == {"r": 8}  # chunks of 8: the image span is cut twice
     assert encoded == [0]
-    assert not sched.encoder_cache.has("a")  # computed past it
+    assert list(sched.encoder_cache.freeable) == ["a"] and not sched.encoder_cache.cached  # computed past it
     sched.check_integrity()
 
 
@@ -69,17 +70,22 @@ def test_block_hashes_key_on_the_image() -> None:
     assert a.block_hashes == c.block_hashes
 
 
-def test_shared_image_is_encoded_once_and_freed_with_its_last_user() -> None:
-    """Two requests with the same image in one step: one encoder input; the entry goes once both computed it."""
+def test_shared_image_is_encoded_once_and_released_with_its_last_user() -> None:
+    """Two requests with the same image in one step: one encoder input; the entry becomes freeable once both
+    computed it, and a later request with the image reuses it."""
     sched = make_scheduler(budget=64, encoder_cache_size=32)
     sched.add_request(mm_request("r1", [("a", 1, 8)], 12, text=1))
     sched.add_request(mm_request("r2", [("a", 1, 8)], 12, text=2))
     out, _ = step(sched)
     assert out.scheduled_encoder_inputs == {"r1": [0]}  # r2 reads r1's entry
     out, _ = step(sched)  # their decodes (max_tokens=2: the last step)
-    assert out.free_encoder_mm_hashes == ["a"]
+    assert sched.encoder_cache.freeable == {"a": 8} and not sched.encoder_cache.cached
     assert not sched.requests
     sched.check_integrity()
+    sched.add_request(mm_request("r3", [("a", 1, 8)], 12, text=3))
+    out, _ = step(sched)
+    assert out.scheduled_encoder_inputs == {} and out.num_scheduled_tokens == {"r3": 12}  # not encoded again
+    assert sched.make_stats().encoder_cache_hits == 2
 
 
 def test_encoder_cache_queries_and_hits() -> None:

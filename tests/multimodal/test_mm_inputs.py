@@ -89,7 +89,7 @@ def _assert_clean(llm: LLM) -> None:
     assert not core.scheduler.requests
     core.scheduler.check_integrity()
     enc = core.scheduler.encoder_cache
-    assert not enc.cached and enc.num_free_slots == enc.cache_size
+    assert not enc.cached and enc.num_free_slots + enc.num_freeable_slots == enc.cache_size
 
 
 def test_chat_image_parts_equal_generate(llm: LLM, image_server: str, media_dir: str) -> None:
@@ -213,8 +213,36 @@ def test_encoder_cache_manager_refs_and_frees() -> None:
     cache.release_computed("r2", [feature("a", 6, offset=0)], num_computed=5)  # not past it yet
     assert cache.has("a")
     cache.release_computed("r2", [a], num_computed=6)
-    assert not cache.has("a") and cache.take_freed() == ["a"] and cache.num_free_slots == 10
-    cache.add_ref("r3", b)
+    # unused now, but kept (freeable) until a new image needs its room
+    assert cache.has("a") and cache.take_freed() == [] and cache.num_free_slots == 4 and cache.room() == 10
+    cache.add_ref("r3", a)  # reused: a hit, nothing encoded
+    assert cache.num_hits == 2 and cache.num_queries == 3 and cache.num_free_slots == 4
+    cache.release_request("r3", [a])
+    cache.add_ref("r3", b)  # needs a's room: a is evicted
+    assert not cache.has("a") and cache.take_freed() == ["a"] and cache.num_free_slots == 4
     cache.check_integrity({"r3"})
     with pytest.raises(AssertionError):
         cache.check_integrity(set())
+
+
+def test_encoder_cache_evicts_least_recently_released_and_never_a_pinned_entry() -> None:
+    def feature(h: str, n: int = 4) -> MultiModalFeature:
+        return MultiModalFeature("image", h, 0, n)
+
+    cache = EncoderCacheManager(12)
+    for h in "abc":
+        cache.add_ref("r", feature(h))
+    for h in "bac":  # released in this order: b is the least recently released
+        cache.release("r", h)
+    assert cache.room() == 12 and cache.num_free_slots == 0
+    assert cache.lookup("b")  # this step's plan reuses b: pinned, so a new image evicts a instead
+    assert cache.room() == 8
+    cache.add_ref("s", feature("d"))
+    assert cache.take_freed() == ["a"] and cache.has("b") and cache.has("c")
+    cache.end_step()  # b was not taken after all: freeable again, as the most recently released
+    cache.check_integrity({"s"})
+    cache.add_ref("s", feature("e"))
+    assert cache.take_freed() == ["c"]
+    cache.add_ref("t", feature("b"))  # still there
+    assert cache.num_hits == 1
+    cache.check_integrity({"s", "t"})
