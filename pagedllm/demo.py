@@ -40,3 +40,9 @@ def demo_eagle_head() -> str:
     """The EAGLE-1 head trained for the default demo model:
     ``speculative_config={"method": "eagle", "model": demo_eagle_head(), "num_speculative_tokens": 3}``."""
     return str(DEMO_MODEL_DIR / "eagle")
+
+
+def demo_medusa_head() -> str:
+    """The Medusa heads (3, chain drafts) trained for the default demo model:
+    ``speculative_config={"method": "medusa", "model": demo_medusa_head(), "num_speculative_tokens": 3}``."""
+    return str(DEMO_MODEL_DIR / "medusa")

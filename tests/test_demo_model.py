@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.demo import DEMO_MODEL_DIR, default_model, demo_draft_model, demo_eagle_head
+from pagedllm.demo import DEMO_MODEL_DIR, default_model, demo_draft_model, demo_eagle_head, demo_medusa_head
 from tests.entrypoints.server_utils import RemoteServer
 
 
@@ -21,10 +21,10 @@ def test_default_model_is_the_bundled_one(demo_llm):
     assert default_model() == str(DEMO_MODEL_DIR)
     assert demo_llm.llm_engine.config.model_config.model_path == str(DEMO_MODEL_DIR)
     # Small enough to ship (the tree travels to the lent GPU in 64 MiB): the target at most 40 MB in bf16,
-    # target + draft + EAGLE head at most 50 MB.
+    # target + draft + EAGLE head + Medusa heads at most 51 MB.
     assert (DEMO_MODEL_DIR / "model.safetensors").stat().st_size <= 40 * 10**6
     total = sum(p.stat().st_size for p in DEMO_MODEL_DIR.rglob("*") if p.is_file())
-    assert total <= 50 * 10**6, total
+    assert total <= 51 * 10**6, total
 
 
 def test_demo_target_draft_and_head_fit_together():
@@ -55,14 +55,16 @@ CODE = "class Stack:\n    def __init__(self):\n        self.items = []\n\n    de
         {"model": "draft", "num_speculative_tokens": 4},
         {"method": "eagle", "model": "eagle", "num_speculative_tokens": 3},
         {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
+        {"method": "medusa", "model": "medusa", "num_speculative_tokens": 3},
     ],
-    ids=["draft", "eagle", "ngram"],
+    ids=["draft", "eagle", "ngram", "medusa"],
 )
 def test_speculation_on_the_demo_is_exact_and_accepted(demo_llm, spec):
     """The shipped draft and head predict the shipped target: greedy output is unchanged and most drafts are
     accepted (real acceptance on real code, not a test construction)."""
     if "model" in spec:
-        spec = {**spec, "model": demo_draft_model() if spec["model"] == "draft" else demo_eagle_head()}
+        heads = {"draft": demo_draft_model, "eagle": demo_eagle_head, "medusa": demo_medusa_head}
+        spec = {**spec, "model": heads[spec["model"]]()}
     greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     want = demo_llm.generate(CODE, greedy, use_tqdm=False)[0].outputs[0]
     llm = LLM(device="cpu", speculative_config=spec)
@@ -70,7 +72,10 @@ def test_speculation_on_the_demo_is_exact_and_accepted(demo_llm, spec):
     assert got.token_ids == want.token_ids
     stats = llm.llm_engine.get_stats()
     assert stats.spec_num_draft_tokens > 0
-    assert stats.spec_num_accepted_tokens / stats.spec_num_draft_tokens > 0.4, stats
+    # Medusa's heads guess 2, 3 and 4 tokens ahead from one hidden state (no draft token read): fewer accepted
+    # (the first head agrees with the target's greedy token 26% of the time on the held-out files).
+    floor = 0.15 if spec.get("method") == "medusa" else 0.4
+    assert stats.spec_num_accepted_tokens / stats.spec_num_draft_tokens > floor, stats
 
 
 def test_completes_python(demo_llm):
