@@ -22,7 +22,9 @@ handle against its own prompt (block size, a digest of the token ids) and loads 
 Transport, per producer/consumer pair: a ZMQ REQ/ROUTER control channel to the producer's ``kv_ip:kv_port``
 (handshake, "pull request R's blocks i..j", "release R"), and a two-rank torch.distributed process group (gloo for
 a CPU KV cache, NCCL for a CUDA one) over a TCPStore the producer serves on ``kv_store_port`` (kv_port + 1 by
-default), for the block data. Both ends run the transfers on a background thread of the worker, one at a time
+default), for the block data: one buffer holding every layer's blocks of the pull (where all layers' caches have
+one shape), gathered, sent and received on the transfer threads' own CUDA streams, never queued behind the
+engine's steps. Both ends run the transfers on a background thread of the worker, one at a time
 (so sends and receives pair up in order); the consumer writes received blocks into its KV cache on the engine
 thread, at the end of a step, skipping requests that finished meanwhile (their blocks may be someone else's now).
 
@@ -33,6 +35,7 @@ scheduler then recomputes the request's prompt (``get_block_ids_with_load_errors
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import json
@@ -157,8 +160,32 @@ def _advertised_host(host: str) -> str:
     return host
 
 
+def _uniform(caches: list[torch.Tensor]) -> bool:
+    """Whether every cache tensor has one shape and dtype: then a transfer moves all layers as one buffer."""
+    return all(c.shape == caches[0].shape and c.dtype == caches[0].dtype for c in caches)
+
+
+def _transfer_buffer(caches: list[torch.Tensor], block_dim: int, num_blocks: int) -> torch.Tensor:
+    """``[num_caches, *cache shape with num_blocks at block_dim]``: every layer's blocks of one transfer."""
+    shape = list(caches[0].shape)
+    shape[block_dim] = num_blocks
+    return torch.empty([len(caches), *shape], dtype=caches[0].dtype, device=caches[0].device)
+
+
+def _side_stream(device: torch.device) -> Any:
+    """A stream of its own for a transfer thread's device work (None on CPU): on the default stream a transfer would
+    wait behind every step the engine has launched, and the steps behind it."""
+    return torch.cuda.Stream(device) if device.type == "cuda" else None
+
+
+def _on(stream: Any) -> Any:
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
 class _Producer:
-    """The producer's server thread: answers handshakes and pulls on its ROUTER socket, sends blocks."""
+    """The producer's server thread: answers handshakes and pulls on its ROUTER socket, sends blocks. It gathers and
+    sends on a stream of its own, after the event recorded when the request's blocks were handed over (the steps
+    that wrote them come before it), and frees the blocks only once the gather has run."""
 
     def __init__(self, caches: list[torch.Tensor], block_dim: int, cfg: dict[str, Any], layout: list) -> None:
         import zmq
@@ -183,7 +210,8 @@ class _Producer:
             self.ctx.destroy(0)
             raise ValueError(f"{_PREFIX}.kv_store_port: cannot listen on {host}:{cfg['kv_store_port']}: {e}") from None
         self.lock = threading.Lock()
-        self.pending: dict[str, tuple[list[int], float]] = {}  # req_id -> (device blocks, deadline)
+        self.pending: dict[str, tuple[list[int], float, Any]] = {}  # req_id -> (device blocks, deadline, event)
+        self.stream = _side_stream(self.device)
         self.busy: set[str] = set()  # being sent now (not expired under the sender's feet)
         self.done: set[str] = set()  # sent, released or failed: blocks to free (get_finished)
         self.gone: OrderedDict[str, None] = OrderedDict()  # recently done ids: a pull for them fails at once
@@ -195,15 +223,20 @@ class _Producer:
         self.thread.start()
 
     def add(self, sends: dict[str, list[int]]) -> None:
+        """Keep ``sends``' blocks for a pull (engine thread: the steps that wrote them are launched already)."""
         deadline = time.monotonic() + self.cfg["send_timeout_s"]
+        written = None
+        if sends and self.device.type == "cuda":
+            written = torch.cuda.Event()
+            written.record(torch.cuda.current_stream(self.device))
         with self.lock:
             for req_id, block_ids in sends.items():
-                self.pending[req_id] = (block_ids, deadline)
+                self.pending[req_id] = (block_ids, deadline, written)
 
     def take_done(self) -> set[str]:
         now = time.monotonic()
         with self.lock:
-            expired = [r for r, (_, deadline) in self.pending.items() if deadline < now and r not in self.busy]
+            expired = [r for r, (_, deadline, _) in self.pending.items() if deadline < now and r not in self.busy]
             for req_id in expired:
                 logger.warning("request %s: no consumer pulled its KV within send_timeout_s; freeing it", req_id)
                 self._finish(req_id)
@@ -286,7 +319,7 @@ class _Producer:
                 retry = req_id not in self.gone  # not registered yet (the engine thread adds it next step)
                 self._reply(ident, {"ok": False, "retry": retry, "error": f"request {req_id!r}: no KV kept for it"})
                 return
-            block_ids = entry[0]
+            block_ids, _, written = entry
             start, num = int(msg["start_block"]), int(msg["num_blocks"])
             if start < 0 or num < 1 or start + num > len(block_ids):
                 self._finish(req_id)
@@ -295,9 +328,20 @@ class _Producer:
             self.busy.add(req_id)
         self._reply(ident, {"ok": True})
         try:
-            idx = torch.tensor(block_ids[start : start + num], dtype=torch.long, device=self.device)
-            for cache in self.caches:
-                group.send([cache.index_select(self.block_dim, idx).contiguous()], 1, 0).wait()
+            with _on(self.stream):
+                if written is not None:
+                    self.stream.wait_event(written)
+                idx = torch.tensor(block_ids[start : start + num], dtype=torch.long, device=self.device)
+                if _uniform(self.caches):  # one gather per layer into one buffer, one send
+                    buf = _transfer_buffer(self.caches, self.block_dim, num)
+                    for i, cache in enumerate(self.caches):
+                        torch.index_select(cache, self.block_dim, idx, out=buf[i])
+                    group.send([buf], 1, 0).wait()
+                else:
+                    for cache in self.caches:
+                        group.send([cache.index_select(self.block_dim, idx).contiguous()], 1, 0).wait()
+                if self.stream is not None:
+                    self.stream.synchronize()  # gathered and sent: the blocks may be freed, the buffer reused
             self.num_sent_blocks += num
         except Exception as e:  # noqa: BLE001 - the consumer sees its receive fail and recomputes
             logger.warning("P2P KV producer: sending request %s to consumer %s failed: %s", req_id, cid, e)
@@ -328,6 +372,7 @@ class _Consumer:
         self.jobs: queue.Queue = queue.Queue()
         self.lock = threading.Lock()
         self.results: dict[str, Any] = {}  # req_id -> list of received tensors, or the exception
+        self.stream = _side_stream(self.device)
         self.thread = threading.Thread(target=self._loop, name="p2p-kv-consumer", daemon=True)
         self.thread.start()
 
@@ -435,14 +480,20 @@ class _Consumer:
             raise _PullError(f"the KV producer at {load.host}:{load.port}: {reply.get('error')}")
         bufs = []
         try:
-            for cache in self.caches:
-                shape = list(cache.shape)
-                shape[self.block_dim] = len(load.block_ids)
-                buf = torch.empty(shape, dtype=cache.dtype, device=cache.device)
-                group.recv([buf], 0, 0).wait()
-                bufs.append(buf)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # the engine thread copies them on its own stream
+            with _on(self.stream):
+                if _uniform(self.caches):
+                    buf = _transfer_buffer(self.caches, self.block_dim, len(load.block_ids))
+                    group.recv([buf], 0, 0).wait()
+                    bufs = list(buf.unbind(0))
+                else:
+                    for cache in self.caches:
+                        shape = list(cache.shape)
+                        shape[self.block_dim] = len(load.block_ids)
+                        buf = torch.empty(shape, dtype=cache.dtype, device=cache.device)
+                        group.recv([buf], 0, 0).wait()
+                        bufs.append(buf)
+                if self.stream is not None:
+                    self.stream.synchronize()  # received: the engine thread copies them on its own stream
         except Exception:
             self._drop(key)  # its process group is broken: the next pull shakes hands again
             raise
