@@ -12,9 +12,10 @@
 #   ours:  `pagedllm serve` (SERVE_ARGS added), a 16-request warm-up, then the workload.
 #   hits:  the same server (started if `ours` did not run), the workload again with the images drawn from a pool of
 #          UNIQUE (--random-mm-num-unique-images, seed 1): the encoder cache's hit rate (and the prefix cache's)
-#          from the /metrics deltas around the run (pagedllm:encoder_cache_{queries,hits}_total). pagedllm frees an
-#          image's entry once no running request needs it, so a hit needs another request holding the image at the
-#          time; a repeated image wholly inside a prefix-cache hit needs no lookup at all (not a query).
+#          from the /metrics deltas around the run (pagedllm:encoder_cache_{queries,hits}_total). An entry no
+#          running request needs stays until a new image needs its room (least recently released first), so a
+#          repeat hits while the cache (max_num_batched_tokens rows) still holds it; a repeated image wholly inside
+#          a prefix-cache hit needs no lookup at all (not a query).
 #   vllm:  when `import vllm` works (../shared/device/vllm: `source install.sh` first), `vllm serve` of the same
 #          directory (VLLM_ARGS added), warm-up, the workload, then the repeated-images run; skipped otherwise.
 #          `--chat-template-content-format string` makes vLLM render a message as pagedllm does (the image mark, a
@@ -25,7 +26,9 @@
 #          batches of HF_BATCH, HF_NUM_PROMPTS of the same requests; TTFT as bench serve's at rate inf (its
 #          docstring says how). One JSON line. Given no section, the suite runs it only when the vllm section got
 #          no result (the baseline is vLLM when vLLM runs the model, else transformers); named, it always runs.
-# Needs pillow (and the server wheels) on the GPU machine: `../shared/device/gpu-wheels.sh pillow`, carry .whl.
+# Needs pillow (and the server wheels, opentelemetry-api among them: fastapi imports it) on the GPU machine:
+# `../shared/device/gpu-wheels.sh pillow`, carry .whl. The tree and every server wheel leave little of the 64 MiB
+# a device call carries: keep only the server's wheels in .whl for this suite (pillow is 7 MB).
 # vLLM loads Qwen2.5-VL's whole HF processor, whose video processor needs torchvision under transformers 5: where
 # the image lacks it, add torchvision==0.26.0 (torch 2.11's) the same way; a .whl/torchvision-*.whl is installed
 # when torchvision does not import (then every engine's image processor uses its torchvision backend).
