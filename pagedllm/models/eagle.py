@@ -111,6 +111,8 @@ class Eagle3LlamaHead(nn.Module):
         self.target_vocab_size = target_vocab_size
         # draft id -> target id offset (loaded from the checkpoint's d2t; zeros when the vocabularies agree)
         self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long), persistent=False)
+        self.target_ids: torch.Tensor | None = None  # [draft_vocab] (map_draft_vocab)
+        self._vocab_mapped = False
 
     def forward(
         self,
@@ -128,11 +130,18 @@ class Eagle3LlamaHead(nn.Module):
         attn, residual = layer.post_attention_layernorm(attn, hidden)
         return layer.mlp(attn) + residual
 
+    def map_draft_vocab(self) -> None:
+        """Read ``d2t`` (once its weights are loaded): the target ids of the draft vocabulary, or None when the
+        two vocabularies agree. ``compute_logits`` then reads nothing back to the host (CUDA graphs capture it)."""
+        same = self.draft_vocab_size == self.target_vocab_size and not bool(self.d2t.any())
+        self.target_ids = None if same else torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t
+        self._vocab_mapped = True
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, target vocab] float32
         draft_logits = self.lm_head(self.norm(hidden))  # [N, draft_vocab]
-        if self.draft_vocab_size == self.target_vocab_size and not bool(self.d2t.any()):
+        if not self._vocab_mapped:
+            self.map_draft_vocab()
+        if self.target_ids is None:
             return draft_logits
         logits = draft_logits.new_full((hidden.shape[0], self.target_vocab_size), float("-inf"))
-        target_ids = torch.arange(self.draft_vocab_size, device=hidden.device) + self.d2t
-        logits[:, target_ids] = draft_logits
-        return logits
+        return logits.index_copy_(1, self.target_ids, draft_logits)

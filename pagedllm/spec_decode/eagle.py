@@ -5,8 +5,10 @@ rejected drafts excluded), so its own one-layer KV cache follows the target's to
 reads the token at p + 1 and the target's hidden state at p. The head's KV cache has the target's blocks (the
 same block ids and slots, like the draft model's), with the scheduler's ``k`` lookahead slots for the drafts.
 For each request that may speculate, the head's output at its last position gives draft 1 (argmax); drafts
-2..k feed the head its own output hidden and the previous draft. The target's steps run eagerly (their hidden
-states must be kept), and drafts are deterministic, so the rejection sampler keeps the output exact.
+2..k feed the head its own output hidden and the previous draft, in draft steps chained on the device
+(head_graphs.py: CUDA graphs per padded batch size where the target has graphs), read back once. The target's
+steps hand over their hidden states (views of its CUDA graphs' static outputs when they replay graphs), and drafts
+are deterministic, so the rejection sampler keeps the output exact.
 """
 
 from __future__ import annotations
@@ -24,6 +26,12 @@ from pagedllm.config import EngineConfig, PlainHFConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.spec_decode.head_graphs import (
+    DraftStepGraphs,
+    draft_step_plan,
+    log_speculation_graphs,
+    run_draft_steps,
+)
 from pagedllm.spec_decode.proposer import can_speculate, kept_positions, num_drafts_allowed
 
 
@@ -79,6 +87,8 @@ class EagleProposer:
             if d2t is not None:
                 head.d2t.copy_(d2t.to(torch.long))
         process_weights_after_loading(head)
+        if spec.method == "eagle3":
+            head.map_draft_vocab()  # reads d2t once, here, not at every draft step
         self.head = head.eval()
         # Under tensor parallelism the target's embedding and LM head each hold a vocabulary shard, and their
         # forward is a collective the other ranks do not join: the head (on rank 0) reads whole copies.
@@ -101,8 +111,12 @@ class EagleProposer:
                 f"speculative_config.method 'eagle3' reads target layers {self.aux_layers}: the target needs at "
                 "least 7 layers"
             )
+        # The target returns the hidden states its aux layers read (EAGLE-3): from its memory profile and CUDA graph
+        # capture on, which come before init_kv_cache.
+        inner.aux_hidden_state_layers = self.aux_layers
         self.kv_cache: list[torch.Tensor] = []
         self.kv: KVCacheManager | None = None
+        self.step_graphs: DraftStepGraphs | None = None
 
     def _whole_tables(self, config: EngineConfig) -> tuple[torch.nn.Module, torch.nn.Module | None]:
         """Unsharded copies of the target's embedding and (EAGLE-1, whose logits are the target's) LM head, read
@@ -151,7 +165,27 @@ class EagleProposer:
         shape = (2, num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
         self.kv_cache = [torch.zeros(shape, dtype=self.runner.dtype, device=self.device)]
         self.kv = kv
-        self.runner.model.model.aux_hidden_state_layers = self.aux_layers  # the target now returns them
+        self.capture_step_graphs()
+
+    def capture_step_graphs(self) -> None:
+        """CUDA graphs of the draft steps (drafts 2..k; head_graphs.py), where the target has CUDA graphs and
+        k > 1; then one log line of the graphs speculative decoding uses."""
+        runner = self.runner
+        wants = getattr(runner, "_graphs_wanted", None)
+        if self.k > 1 and wants is not None and wants():
+            hidden_size = self.runner.config.model_config.hf_config.hidden_size
+            self.step_graphs = DraftStepGraphs(
+                self._draft_step,
+                hidden_size,
+                runner.dtype,
+                runner.max_num_reqs,
+                self.k - 1,
+                _cdiv(self.max_model_len, self.block_size),
+                self.max_model_len,
+                self.device,
+            )
+            self.step_graphs.capture()
+        log_speculation_graphs(self.method, runner, self.step_graphs)
 
     # ------------------------------------------------------------------ per step
 
@@ -200,23 +234,53 @@ class EagleProposer:
                 chosen.append((request, int(end), k))
         if not chosen:
             return
-        h = out[torch.tensor([e for _, e, _ in chosen], device=self.device)]  # [m, H]
-        drafts = [[] for _ in chosen]
-        for j in range(max(k for _, _, k in chosen)):
-            token = self._logits(h).argmax(dim=-1)  # [m] the draft at position num_tokens + j
-            for d, t in zip(drafts, token.tolist()):
-                d.append(t)
-            alive = [i for i, (_, _, k) in enumerate(chosen) if k > j + 1]
-            if not alive:
-                break
-            # Next: the head at position num_tokens - 1 + j reads the draft just made and its own hidden.
-            segs_j = [(chosen[i][0], chosen[i][0].num_tokens - 1 + j, 1) for i in alive]
-            idx = torch.tensor(alive, device=self.device)
-            h_next = self._forward(token.cpu().numpy()[alive], h[idx], segs_j)
-            h = h.clone()
-            h[idx] = h_next
-        for (request, _, k), d in zip(chosen, drafts):
+        # 3. Draft 1 from the catch-up's output; drafts 2..k from draft steps, chained on the device (no host
+        # read until every draft is made).
+        ks = np.array([k for _, _, k in chosen], dtype=np.int64)  # [m]
+        h = out[torch.from_numpy(np.array([e for _, e, _ in chosen], dtype=np.int64)).to(self.device)]  # [m, H]
+        first = self._logits(h).argmax(dim=-1)  # [m] the draft at position num_tokens
+        drafts = torch.empty(len(chosen), int(ks.max()), dtype=torch.long, device=self.device)  # [m, max k]
+        drafts[:, 0] = first
+        if drafts.shape[1] > 1:
+            self._draft_steps([request for request, _, _ in chosen], ks, first, h, drafts[:, 1:])
+        for (request, _, k), d in zip(chosen, drafts.tolist()):  # the one device-to-host sync of a proposal
             request.spec_token_ids = d[:k]
+
+    def _draft_steps(
+        self,
+        requests: list[Request],
+        ks: np.ndarray,  # [m] drafts each request gets (>= 1)
+        tokens: torch.Tensor,  # [m] draft 1
+        hidden: torch.Tensor,  # [m, H] the head's hidden that made it
+        out: torch.Tensor,  # [m, max(ks) - 1] drafts 2.. go here
+    ) -> None:
+        """Drafts 2..k: step j runs the head at position ``num_tokens - 1 + j`` on draft j + 1 and the hidden
+        that made it (pagedllm/spec_decode/head_graphs.py), replaying CUDA graphs where the batch fits them."""
+        m = len(requests)
+        last_pos = np.fromiter((r.num_tokens - 1 for r in requests), dtype=np.int64, count=m)
+        # Blocks covering every step's position (up to num_tokens + k - 3)
+        num_blocks = _cdiv(int((last_pos + ks).max()) - 1, self.block_size)
+        table = np.zeros((m, num_blocks), dtype=np.int32)
+        for i, request in enumerate(requests):
+            ids = self.kv.get_block_ids(request.request_id)[:num_blocks]
+            table[i, : len(ids)] = ids
+        graphs = self.step_graphs
+        bs = None if graphs is None else graphs.padded_size(m)
+        plan = draft_step_plan(last_pos, ks, table, self.block_size, rows=bs, steps=out.shape[1])
+        if bs is not None:
+            graphs.run(plan, tokens, hidden, out)
+        else:
+            run_draft_steps(self._draft_step, plan, tokens, hidden, out, self.device)
+
+    def _draft_step(
+        self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft step: the head over ``tokens`` ([n] the drafts just made) and ``hidden`` ([n, H]) at
+        ``positions``; returns its hidden ``[n, H]`` and the next drafts ``[n]`` (argmax)."""
+        embed = self.runner.model.model.embed if self.embed is None else self.embed
+        embeds = embed(tokens)
+        out = self.head(embeds, hidden.to(embeds.dtype), positions, self.kv_cache, meta)
+        return out, self._logits(out).argmax(dim=-1)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.method == "eagle":

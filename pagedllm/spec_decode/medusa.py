@@ -4,8 +4,9 @@ states.
 After every target step, for each request that may speculate and whose last computed, kept position p is the one
 that produced its newest token (p = num_tokens - 2), head i reads the target's final hidden state at p and its
 argmax is draft i + 1 (the token at num_tokens + i). The heads keep no KV cache and need no catch-up pass: only
-that one row of each request is read. The target's steps run eagerly (their hidden states must be kept), and the
-drafts are deterministic, so the rejection sampler keeps the output exact.
+that one row of each request is read. The target's steps hand over their hidden states (views of its CUDA graphs'
+static outputs when they replay graphs), and the heads run eagerly (one pass a step); the drafts are
+deterministic, so the rejection sampler keeps the output exact.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.spec_decode.head_graphs import log_speculation_graphs
 from pagedllm.spec_decode.proposer import can_speculate, kept_positions, num_drafts_allowed
 
 
@@ -38,6 +40,7 @@ class MedusaProposer:
         spec = config.speculative_config
         mc = config.model_config
         self.k = spec.num_speculative_tokens
+        self.runner = runner  # the target's (its CUDA graphs are logged at start-up)
         self.device = runner.device
         self.max_model_len = mc.max_model_len
         with open(os.path.join(spec.model, "config.json")) as f:
@@ -69,7 +72,7 @@ class MedusaProposer:
         return 0
 
     def init_kv_cache(self, num_blocks: int, kv: KVCacheManager) -> None:
-        pass
+        log_speculation_graphs("medusa", self.runner)
 
     @torch.inference_mode()
     def propose(

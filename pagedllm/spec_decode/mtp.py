@@ -7,7 +7,9 @@ rejected drafts excluded), reading for position p the token at p + 1 and the tar
 and writes its own one-layer latent (MLA) KV cache in the target's blocks and slots; the scheduler's ``k``
 lookahead slots hold the drafts'. Draft 1 is the argmax of the layer's logits at the request's last position;
 drafts 2..k feed the layer its own output hidden and the previous draft. The drafts are deterministic, so the
-rejection sampler keeps the output exact; the target's steps run eagerly (their hidden states are kept).
+rejection sampler keeps the output exact. The target's pure decodes replay CUDA graphs (its hidden states are the
+graphs' static outputs); its verification steps run eagerly (MLA plans multi-token steps on the host). Drafts
+2..k run as the EAGLE proposer's draft steps, in CUDA graphs where the target has them.
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ class MTPProposer(EagleProposer):
         self.aux_layers = ()
         self.kv_cache: list[torch.Tensor] = []
         self.kv: KVCacheManager | None = None
+        self.step_graphs = None
 
     def kv_block_bytes(self) -> int:
         shape = self.head.attn.kv_cache_shape(1, self.block_size)  # [1, block_size, kv_lora_rank + rope dim]
@@ -101,3 +104,4 @@ class MTPProposer(EagleProposer):
         shape = self.head.attn.kv_cache_shape(num_blocks, self.block_size)
         self.kv_cache = [torch.zeros(shape, dtype=self.runner.dtype, device=self.device)]
         self.kv = kv
+        self.capture_step_graphs()

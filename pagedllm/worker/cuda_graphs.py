@@ -31,12 +31,14 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import numpy as np
 import torch
 
 from pagedllm.attention.base import AttentionMetadata
 from pagedllm.platform import launch_with_pdl
+from pagedllm.worker.graph_io import EagerGraph, slice_rows
 
 logger = logging.getLogger(__name__)
 
@@ -95,38 +97,55 @@ class CudaGraphRunner:
         # Pinned host twins, two of each used in turn: with async scheduling the host fills step N+1's inputs
         # while step N's copy may still wait in the stream. Step N-1's copy, the last user of the other twin, is
         # done by then (the engine has read step N-1's sampled ids, which the stream produced after that copy).
-        self.host_i64 = [torch.zeros((2 + g) * t, dtype=torch.long, pin_memory=True) for _ in range(2)]
+        pin = device.type == "cuda"
+        self.host_i64 = [torch.zeros((2 + g) * t, dtype=torch.long, pin_memory=pin) for _ in range(2)]
         self.host_i32 = [
-            torch.zeros(self.dev_i32.numel(), dtype=torch.int32, pin_memory=True) for _ in range(2)
+            torch.zeros(self.dev_i32.numel(), dtype=torch.int32, pin_memory=pin) for _ in range(2)
         ]
         self._turn = 0
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (batch size, query length) -> graph
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.graphs: dict[tuple[int, int], Any] = {}  # (batch size, query length) -> torch.cuda.CUDAGraph
+        # The model's output per graph: its hidden states [bs * q, H], or a tuple of them (the final hidden states
+        # and an EAGLE-3 draft's auxiliary hidden states, [bs * q, 3 * H])
+        self.outputs: dict[tuple[int, int], Any] = {}
         self.num_replays: dict[tuple[int, int], int] = {}
 
     def _metadata(self, bs: int, q: int = 1) -> AttentionMetadata:
         t = bs * q
+        qsl = (self.query_start_loc if q == 1 else self.spec_query_start_loc)[: bs + 1]
+        if self.device.type == "cuda":
+            # Placeholders: with the Triton backend nothing reads these host twins (graphs need no host data)
+            qsl_cpu = torch.arange(bs + 1, dtype=torch.int32) * q
+            seq_lens_cpu = torch.full((bs,), q, dtype=torch.int32)
+        else:  # the stand-in graphs (EagerGraph) run the forward again at each replay: the buffers are the host's
+            qsl_cpu, seq_lens_cpu = qsl, self.seq_lens[:bs]
         return AttentionMetadata(
             num_reqs=bs,
             num_tokens=t,
             max_query_len=q,
             max_seq_len=self.max_model_len,
-            query_start_loc=(self.query_start_loc if q == 1 else self.spec_query_start_loc)[: bs + 1],
+            query_start_loc=qsl,
             seq_lens=self.seq_lens[:bs],
             block_table=self.block_table[:bs, 0],
             slot_mapping=self.slot_mapping[0, :t],
-            # Placeholders: with the Triton backend nothing reads these host twins (graphs need no host data)
-            query_start_loc_cpu=torch.arange(bs + 1, dtype=torch.int32) * q,
-            seq_lens_cpu=torch.full((bs,), q, dtype=torch.int32),
+            query_start_loc_cpu=qsl_cpu,
+            seq_lens_cpu=seq_lens_cpu,
             is_pure_decode=q == 1,
             kv_group_tables=tuple(
                 (self.block_table[:bs, g], self.slot_mapping[g, :t]) for g in range(1, self.num_groups)
             ),
         )
 
+    def _keys(self) -> list[tuple[int, int]]:
+        """(batch size, query length) of every graph, in capture order: the multi-token graphs first (the most
+        rows: the pool's largest), largest first."""
+        return [(bs, self.q) for bs in reversed(self.spec_sizes)] + [(bs, 1) for bs in reversed(self.sizes)]
+
     @torch.inference_mode()
     def capture(self) -> None:
         start = time.perf_counter()
+        if self.device.type != "cuda":
+            self._capture_stand_ins()
+            return
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         # The side stream must not run ahead of the default stream's work: the static buffers' zero fills (and a
@@ -134,7 +153,7 @@ class CudaGraphRunner:
         # embedding (a device-side assert seen when the cache was tens of GiB).
         stream.wait_stream(torch.cuda.current_stream(self.device))
         # Multi-token graphs first (the most rows: the pool's largest), captured over requests of q tokens each.
-        keys = [(bs, self.q) for bs in reversed(self.spec_sizes)] + [(bs, 1) for bs in reversed(self.sizes)]
+        keys = self._keys()
         self.spec_query_start_loc.copy_(torch.arange(self.max_bs + 1, device=self.device) * self.q)
         for bs, q in keys:
             self.seq_lens.fill_(q)  # a valid batch while capturing: q tokens per request, no context
@@ -163,6 +182,23 @@ class CudaGraphRunner:
             time.perf_counter() - start,
         )
 
+    def _capture_stand_ins(self) -> None:
+        """Where there is no GPU (tests): ``EagerGraph`` stand-ins, each replay running the forward on the static
+        buffers, padding rows included, with metadata built from them."""
+        self.spec_query_start_loc.copy_(torch.arange(self.max_bs + 1, device=self.device) * self.q)
+        for bs, q in self._keys():
+
+            def forward(bs: int = bs, q: int = q) -> Any:
+                rows = bs * q
+                meta = self._metadata(bs, q)
+                return self.model(self.input_ids[:rows], self.positions[:rows], self.kv_caches, meta)
+
+            self.seq_lens.fill_(q)
+            graph = EagerGraph(forward)
+            self.graphs[(bs, q)] = graph
+            self.outputs[(bs, q)] = graph.output
+        self.seq_lens.fill_(1)
+
     def padded_size(self, num_reqs: int, q: int = 1) -> int | None:
         for s in self.sizes if q == 1 else self.spec_sizes:
             if s >= num_reqs:
@@ -184,10 +220,11 @@ class CudaGraphRunner:
         block_table: np.ndarray,  # [groups, n, nb] int32
         input_patch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
         query_start_loc: np.ndarray | None = None,  # [n + 1] token offsets (None: one token a request)
-    ) -> torch.Tensor:
-        """The step's hidden states, ``[num_tokens, hidden_size]``: a view of the graph's output, valid until the
-        next replay. ``input_patch`` = (dst, src, values): ``input_ids[dst] = values[src]`` on the device before
-        the replay (tokens sampled by the previous, still running step)."""
+    ) -> Any:
+        """The step's hidden states, ``[num_tokens, hidden_size]`` (a tuple of such rows when the model returns
+        more than its final hidden states: an EAGLE-3 draft's auxiliary hidden states): views of the graph's
+        output, valid until the next replay. ``input_patch`` = (dst, src, values): ``input_ids[dst] =
+        values[src]`` on the device before the replay (tokens sampled by the previous, still running step)."""
         num_tokens = input_ids.shape[0]
         n = seq_lens.shape[0]
         q = 1 if num_tokens == n else self.q
@@ -223,4 +260,4 @@ class CudaGraphRunner:
             self.input_ids[dst] = values[src]
         self.graphs[(bs, q)].replay()
         self.num_replays[(bs, q)] = self.num_replays.get((bs, q), 0) + 1
-        return self.outputs[(bs, q)][:num_tokens]
+        return slice_rows(self.outputs[(bs, q)], num_tokens)

@@ -28,6 +28,7 @@ from pagedllm.platform import use_fused_kernels
 from pagedllm.sample.metadata import build_plain_sampling_metadata, build_sampling_metadata
 from pagedllm.sample.sampler import LogprobsTensors, Sampler, compute_logprobs_topk
 from pagedllm.worker.cuda_graphs import CudaGraphRunner
+from pagedllm.worker.graph_io import final_hidden, slice_rows
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.piecewise_graphs import PiecewiseGraphRunner, piecewise_sizes
 from pagedllm.worker.spec_step import collect_spec, sample_spec
@@ -118,8 +119,8 @@ class ModelRunner:
         self._last_step: StepInFlight | None = None  # the latest step with sampled tokens
         self.kv_connector: Any = None  # the worker side of a KV connector (register_kv_connector)
         self._next_step_id = 0
-        # EAGLE, Medusa and MTP drafts read each step's hidden states (StepInFlight.draft_hidden); such steps run
-        # eagerly.
+        # EAGLE, Medusa and MTP drafts read each step's hidden states (StepInFlight.draft_hidden): eager steps hand
+        # them over as computed, graphed steps as views of the graphs' static outputs (valid until the next step).
         spec = config.speculative_config
         self.keep_hidden = spec is not None and spec.method in HIDDEN_STATE_METHODS
         # Steps of at most this many tokens per request also replay CUDA graphs: k + 1 with speculative decoding
@@ -267,7 +268,7 @@ class ModelRunner:
         q_lens = [seq_len] * (num_reqs - 1) + [num_tokens - seq_len * (num_reqs - 1)]
         block_table = torch.arange(n_blocks, dtype=torch.int32).repeat(num_reqs, 1) % n_blocks
         meta = self._unwritten_metadata(q_lens, q_lens, block_table.to(self.device), kv_groups=1)
-        hidden = self._forward(input_ids, positions, caches, meta, communicate=False)
+        hidden = final_hidden(self._forward(input_ids, positions, caches, meta, communicate=False))
         forward_peak = torch.cuda.max_memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)  # from here: the logits' and the sampler's peak
         spec = self.config.speculative_config
@@ -375,11 +376,11 @@ class ModelRunner:
     def _graphs_wanted(self) -> bool:
         """Any CUDA graphs: unless eager mode (or ``cudagraph_mode`` NONE) was asked for, the backend cannot be
         captured, or layers are offloaded (``cpu_offload_gb``: the steps wait for the weight copies, not for
-        launches; worker/weight_offload.py)."""
+        launches; worker/weight_offload.py). Speculative decoding that reads the target's hidden states (EAGLE,
+        EAGLE-3, MTP, Medusa) gets them from the graphs' static outputs."""
         return not (
             self.config.enforce_eager
             or self._graph_mode() == "NONE"
-            or self.keep_hidden
             or self.device.type != "cuda"
             or self.attn_backend.name != "triton"
             or self.weight_offload is not None
@@ -475,6 +476,7 @@ class ModelRunner:
             while context <= self.max_model_len:
                 hidden = self._dummy_mixed_step(chunk, context)
                 context = 512 if context < 512 else context * 2
+        hidden = final_hidden(hidden)  # (an EAGLE-3 draft's auxiliary hidden states are not needed here)
         if isinstance(hidden, torch.Tensor):
             logits = self.model.compute_logits(hidden[-1:])
             if use_fused_kernels(logits):
@@ -679,7 +681,7 @@ class ModelRunner:
                 dst, src, values = input_patch
                 input_ids_dev[dst] = values[src]
             if size is not None:
-                hidden = self.piecewise.replay(size, meta)[:num_tokens]
+                hidden = slice_rows(self.piecewise.replay(size, meta), num_tokens)
             elif eager_mm:
                 # [num_tokens, hidden_size] with image rows, or None (text tokens of an M-RoPE prompt)
                 embeds = self.encoder_runner.inputs_embeds(input_ids_dev, mm_spans) if mm_spans else None

@@ -10,8 +10,10 @@ comes from the requests: ``num_reqs``, ``max_query_len``, ``max_seq_len``, the l
 forward is captured in pieces *between* attention calls, one set per padded token count T (:func:`piecewise_sizes`).
 A step of n <= T tokens replays piece 0 (embedding, layer 0's norm, qkv projection, RoPE and its cache write), runs
 layer 0's attention eagerly with the step's real metadata, replays piece 1 (o_proj, MLP, layer 1 up to its
-attention), and so on; the last piece ends with the final norm. Rows n..T are padding: id 0, position 0, slot -1
-(nothing written to the cache), and attention zeroes them.
+attention), and so on; the last piece ends with the final norm (and, when the forward also returns the auxiliary
+hidden states an EAGLE-3 draft reads, their concatenation: the layer inputs it reads stay allocated until then, so
+no piece overwrites them). Rows n..T are padding: id 0, position 0, slot -1 (nothing written to the cache), and
+attention zeroes them.
 
 How the capture splits (:func:`pagedllm.layers.attention.split_at_attention`): while a capture runs,
 ``Attention.forward`` hands its inputs to :meth:`_Capture.split` instead of attending: the piece being captured
@@ -45,6 +47,7 @@ import torch
 
 from pagedllm.attention.base import AttentionMetadata
 from pagedllm.layers.attention import Attention, split_at_attention
+from pagedllm.worker.graph_io import map_output
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +92,9 @@ class _Pieces:
 
     graphs: list[Any] = field(default_factory=list)
     calls: list[_AttentionCall] = field(default_factory=list)
-    output: torch.Tensor | None = None  # [T, hidden_size] (unowned)
+    # [T, hidden_size] (unowned), or a tuple of such views when the forward returns more than its final hidden
+    # states (an EAGLE-3 draft's auxiliary hidden states, [T, 3 * hidden_size])
+    output: Any = None
 
 
 class _Capture:
@@ -268,7 +273,7 @@ class PiecewiseGraphRunner:
                 )
                 self.pieces.clear()
                 return False
-            capture.pieces.output = _unowned_view(hidden)
+            capture.pieces.output = map_output(_unowned_view, hidden)
             self.pieces[size] = capture.pieces
         if cuda:
             torch.cuda.synchronize(self.device)
@@ -312,9 +317,10 @@ class PiecewiseGraphRunner:
             self._copied[turn] = event
         return self.input_ids[:size], self.positions[:size], self.slot_mapping[:, :size]
 
-    def replay(self, size: int, metadata: AttentionMetadata) -> torch.Tensor:
+    def replay(self, size: int, metadata: AttentionMetadata) -> Any:
         """Run the step staged by :meth:`stage` (``metadata``: its real requests, with the staged slot mapping).
-        Returns the hidden states ``[size, hidden_size]``, valid until the next replay."""
+        Returns the hidden states ``[size, hidden_size]`` (or the tuple the forward returns, each ``[size, ...]``),
+        valid until the next replay."""
         pieces = self.pieces[size]
         graphs = pieces.graphs
         for i, call in enumerate(pieces.calls):

@@ -1,0 +1,315 @@
+"""The draft steps of an EAGLE / EAGLE-3 / MTP head: their host plan, and CUDA graphs of them (GPU).
+
+After the catch-up pass gives draft 1 (pagedllm/spec_decode/eagle.py), each of drafts 2..k is one head pass over
+one token per request: step j (0-based) runs the head at position ``num_tokens - 1 + j`` on the draft just made and
+the head's own hidden from the step before, and its argmax is the next draft. Such a pass has the shape of a
+decode step, and everything the host must tell it (positions, KV slots, context lengths, the block table) is known
+before the first one runs: :func:`draft_step_plan` lays out every step at once, so the steps chain on the device
+and the host reads the drafts back once, at the end.
+
+A request that needs fewer drafts than the batch's most drops out as a *resting* row: position 0, context of one
+key, slot -1 (it writes no key: a slot past the request's blocks would be another request's). Its rows of the
+outputs are ignored; every op but attention is row-wise, and attention reads each row's own context.
+
+:class:`DraftStepGraphs` captures one graph per padded batch size (the target's decode sizes,
+worker/cuda_graphs.py) over static buffers::
+
+    input_ids[bs]  hidden[bs, H]  positions[bs]  slot_mapping[bs]  seq_lens[bs]  block_table[bs, max_blocks]
+
+Each graph runs embed -> head -> logits -> argmax and writes its results back into its inputs: the draft into
+``input_ids`` and the head's hidden into ``hidden``, ready for the next step's replay; before each replay one
+device copy each brings that step's positions and slots, and its context lengths, from the plan (copied to the
+device once). Padding rows (n..bs) rest like the resting rows. The metadata is a decode step's with
+``max_seq_len`` fixed to ``max_model_len`` (the kernels read each row's length from ``seq_lens``), as in the
+target's decode graphs. Batches above the largest size run the same steps eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagedllm.attention.base import AttentionMetadata
+from pagedllm.platform import launch_with_pdl
+from pagedllm.worker.cuda_graphs import capture_sizes
+from pagedllm.worker.graph_io import EagerGraph
+
+logger = logging.getLogger(__name__)
+
+# step_fn(input_ids [n], hidden [n, H], positions [n], metadata) -> (the head's hidden [n, H], the drafts [n])
+StepFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata], tuple[torch.Tensor, torch.Tensor]
+]
+
+
+@dataclass
+class DraftStepPlan:
+    """The host inputs of draft steps ``0 .. steps - 1`` of ``n`` requests (rows ``n..`` padding, all resting)."""
+
+    positions: np.ndarray  # [steps, rows] int64
+    slot_mapping: np.ndarray  # [steps, rows] int64, -1: nothing written
+    seq_lens: np.ndarray  # [steps, rows] int32
+    block_table: np.ndarray  # [rows, num_blocks] int32
+    num_reqs: int
+
+
+def draft_step_plan(
+    last_pos: np.ndarray,  # [n] each request's last position (num_tokens - 1): where step 0 runs
+    num_drafts: np.ndarray,  # [n] drafts each request gets (>= 1); it runs steps j < num_drafts - 1
+    block_table: np.ndarray,  # [n, num_blocks] int32 the request's block ids, covering its steps' positions
+    block_size: int,
+    rows: int | None = None,  # pad to this many rows (>= n; default n)
+    steps: int | None = None,  # plan this many steps (default max(num_drafts) - 1)
+) -> DraftStepPlan:
+    """Positions, slots and context lengths of every draft step: step j runs a request at ``last_pos + j``
+    while it needs a draft after that step's (``j + 1 < num_drafts``), and rests otherwise."""
+    n = len(last_pos)
+    rows = n if rows is None else rows
+    steps = int(num_drafts.max(initial=1)) - 1 if steps is None else steps
+    j = np.arange(steps)[:, None]  # [steps, 1]
+    active = np.zeros((steps, rows), dtype=bool)
+    active[:, :n] = num_drafts[None, :] > j + 1
+    pos = np.zeros((steps, rows), dtype=np.int64)
+    pos[:, :n] = last_pos[None, :] + j
+    pos[~active] = 0
+    table = np.zeros((rows, max(block_table.shape[1], 1)), dtype=np.int32)
+    table[:n, : block_table.shape[1]] = block_table
+    r = np.broadcast_to(np.arange(rows)[None, :], pos.shape)
+    slots = table[r, pos // block_size].astype(np.int64) * block_size + pos % block_size
+    slots[~active] = -1
+    seq_lens = np.where(active, pos + 1, 1).astype(np.int32)
+    return DraftStepPlan(pos, slots, seq_lens, table, n)
+
+
+def decode_metadata(
+    seq_lens: torch.Tensor,  # [n] int32
+    block_table: torch.Tensor,  # [n, num_blocks] int32
+    slot_mapping: torch.Tensor,  # [n] int64
+    query_start_loc: torch.Tensor,  # [n + 1] int32: 0..n
+    max_seq_len: int,
+    host: tuple[torch.Tensor, torch.Tensor],  # (query_start_loc, seq_lens) on the host
+) -> AttentionMetadata:
+    """Metadata of a step of one token a request."""
+    n = seq_lens.shape[0]
+    return AttentionMetadata(
+        num_reqs=n,
+        num_tokens=n,
+        max_query_len=1,
+        max_seq_len=max_seq_len,
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        block_table=block_table,
+        slot_mapping=slot_mapping,
+        query_start_loc_cpu=host[0],
+        seq_lens_cpu=host[1],
+        is_pure_decode=True,
+    )
+
+
+def run_draft_steps(
+    step_fn: StepFn,
+    plan: DraftStepPlan,
+    tokens: torch.Tensor,  # [n] the drafts so far
+    hidden: torch.Tensor,  # [n, H] the head's hidden that made them
+    out: torch.Tensor,  # [n, steps] step j's drafts go to out[:, j]
+    device: torch.device,
+) -> None:
+    """The steps of ``plan``, eagerly (batches no graph fits, or no graphs): the same ops as a graph's replay,
+    over the plan's ``n`` requests, with nothing read back to the host."""
+    n = plan.num_reqs
+    table = torch.from_numpy(plan.block_table[:n]).to(device, non_blocking=True)
+    qsl_cpu = torch.arange(n + 1, dtype=torch.int32)
+    qsl = qsl_cpu.to(device, non_blocking=True)
+    for j in range(plan.positions.shape[0]):
+        seq_cpu = torch.from_numpy(plan.seq_lens[j, :n])
+        meta = decode_metadata(
+            seq_cpu.to(device, non_blocking=True),
+            table,
+            torch.from_numpy(plan.slot_mapping[j, :n]).to(device, non_blocking=True),
+            qsl,
+            int(plan.seq_lens[j, :n].max()),
+            (qsl_cpu, seq_cpu),
+        )
+        positions = torch.from_numpy(plan.positions[j, :n]).to(device, non_blocking=True)
+        hidden, tokens = step_fn(tokens, hidden, positions, meta)
+        out[:, j] = tokens
+
+
+class DraftStepGraphs:
+    def __init__(
+        self,
+        step_fn: StepFn,
+        hidden_size: int,
+        dtype: torch.dtype,
+        max_num_seqs: int,
+        max_steps: int,
+        max_blocks_per_req: int,
+        max_model_len: int,
+        device: torch.device,
+        graph_cls: Callable[[], Any] | None = None,
+    ) -> None:
+        """``step_fn``: one draft step (see ``StepFn``); ``max_steps``: the most steps a plan has (k - 1).
+        ``graph_cls``: the graph type (``torch.cuda.CUDAGraph``; None where there is no GPU: ``EagerGraph``
+        stand-ins that run ``step_fn`` again at each replay)."""
+        self.step_fn = step_fn
+        self.sizes = capture_sizes(max_num_seqs)
+        self.max_bs = b = self.sizes[-1]
+        self.max_steps = max(max_steps, 1)
+        self.max_model_len = max_model_len
+        self.max_blocks = mb = max_blocks_per_req
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.graph_cls = graph_cls if graph_cls is not None else (torch.cuda.CUDAGraph if self.cuda else None)
+        # Static inputs: i64 [input_ids (b) | positions (b) | slots (b)], i32 [seq_lens (b) | qsl (b + 1) | table]
+        self.dev_i64 = torch.zeros(3 * b, dtype=torch.long, device=device)
+        self.dev_i32 = torch.zeros(2 * b + 1 + b * mb, dtype=torch.int32, device=device)
+        self.input_ids = self.dev_i64[:b]
+        self.positions = self.dev_i64[b : 2 * b]
+        self.slot_mapping = self.dev_i64[2 * b :]
+        self.seq_lens = self.dev_i32[:b]
+        self.query_start_loc = self.dev_i32[b : 2 * b + 1]
+        self.block_table = self.dev_i32[2 * b + 1 :].view(b, mb)
+        self.hidden = torch.zeros(b, hidden_size, dtype=dtype, device=device)
+        self.query_start_loc.copy_(torch.arange(b + 1, dtype=torch.int32, device=device))
+        self.slot_mapping.fill_(-1)
+        self.seq_lens.fill_(1)
+        # A plan's steps on the device, copied once a proposal: i64 [steps, 2, b] (positions, slots), i32 [steps, b]
+        # (seq_lens). One pinned host twin each: the proposal ends by reading the drafts back, after every copy.
+        self.plan_i64 = torch.zeros(self.max_steps, 2, b, dtype=torch.long, device=device)
+        self.plan_i32 = torch.zeros(self.max_steps, b, dtype=torch.int32, device=device)
+        pin = self.cuda
+        self.host_plan_i64 = torch.zeros(self.max_steps, 2, b, dtype=torch.long, pin_memory=pin)
+        self.host_plan_i32 = torch.zeros(self.max_steps, b, dtype=torch.int32, pin_memory=pin)
+        self.host_table = torch.zeros(b, mb, dtype=torch.int32, pin_memory=pin)
+        self.graphs: dict[int, Any] = {}
+        self.num_replays: dict[int, int] = {}
+
+    def padded_size(self, num_reqs: int) -> int | None:
+        for s in self.sizes:
+            if s >= num_reqs:
+                return s
+        return None
+
+    def _metadata(self, bs: int) -> AttentionMetadata:
+        if self.cuda:  # placeholders: with the Triton backend nothing reads these host twins
+            host = (torch.arange(bs + 1, dtype=torch.int32), torch.ones(bs, dtype=torch.int32))
+        else:  # the stand-ins run step_fn again at each replay: the buffers are the host's
+            host = (self.query_start_loc[: bs + 1], self.seq_lens[:bs])
+        return decode_metadata(
+            self.seq_lens[:bs],
+            self.block_table[:bs],
+            self.slot_mapping[:bs],
+            self.query_start_loc[: bs + 1],
+            self.max_model_len,
+            host,
+        )
+
+    def _step(self, bs: int) -> None:
+        """One draft step over the static buffers' first ``bs`` rows, its results written back into them."""
+        hidden, tokens = self.step_fn(
+            self.input_ids[:bs], self.hidden[:bs], self.positions[:bs], self._metadata(bs)
+        )
+        self.hidden[:bs].copy_(hidden)
+        self.input_ids[:bs].copy_(tokens)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        start = time.perf_counter()
+        if not self.cuda:
+            for bs in reversed(self.sizes):
+                self.graphs[bs] = EagerGraph(lambda bs=bs: self._step(bs))
+            return
+        pool = torch.cuda.graph_pool_handle()  # the head's own: its graphs never replay inside the target's
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # the static buffers' fills come first
+        for bs in reversed(self.sizes):
+            with launch_with_pdl():
+                with torch.cuda.stream(stream):
+                    # Warm-up outside capture (Triton compiles, library set-up): the largest size twice.
+                    for _ in range(2 if bs == self.max_bs else 1):
+                        self._step(bs)
+                    self.input_ids.zero_()  # the warm-up's results, back to what the buffers held
+                    self.hidden.zero_()
+                torch.cuda.synchronize(self.device)
+                graph = self.graph_cls()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self._step(bs)
+            self.graphs[bs] = graph
+        torch.cuda.synchronize(self.device)
+        logger.info(
+            "captured CUDA graphs of the draft head's steps for %d batch sizes (1..%d) in %.1f s",
+            len(self.sizes),
+            self.max_bs,
+            time.perf_counter() - start,
+        )
+
+    def run(self, plan: DraftStepPlan, tokens: torch.Tensor, hidden: torch.Tensor, out: torch.Tensor) -> None:
+        """As :func:`run_draft_steps`, replaying the graph of the plan's padded batch size (``plan`` padded
+        to it: ``draft_step_plan(..., rows=padded_size(n))``)."""
+        n = plan.num_reqs
+        bs = plan.positions.shape[1]
+        steps = plan.positions.shape[0]
+        assert bs in self.graphs and steps <= self.max_steps
+        nb = min(plan.block_table.shape[1], self.max_blocks)
+        hp64, hp32 = self.host_plan_i64.numpy(), self.host_plan_i32.numpy()
+        hp64[:steps, 0, :bs] = plan.positions
+        hp64[:steps, 1, :bs] = plan.slot_mapping
+        hp32[:steps, :bs] = plan.seq_lens
+        self.host_table.numpy()[:bs, :nb] = plan.block_table[:, :nb]
+        self.plan_i64[:steps].copy_(self.host_plan_i64[:steps], non_blocking=True)
+        self.plan_i32[:steps].copy_(self.host_plan_i32[:steps], non_blocking=True)
+        self.block_table[:bs].copy_(self.host_table[:bs], non_blocking=True)
+        self.input_ids[:n].copy_(tokens)
+        self.hidden[:n].copy_(hidden)
+        graph = self.graphs[bs]
+        for j in range(steps):
+            self.dev_i64[self.max_bs : 3 * self.max_bs].view(2, self.max_bs)[:, :bs].copy_(
+                self.plan_i64[j, :, :bs]
+            )
+            self.seq_lens[:bs].copy_(self.plan_i32[j, :bs])
+            graph.replay()
+            out[:, j] = self.input_ids[:n]
+        self.num_replays[bs] = self.num_replays.get(bs, 0) + steps
+
+
+def speculation_graphs_summary(method: str, runner: Any, step_graphs: DraftStepGraphs | None = None) -> str:
+    """Which CUDA graphs speculative decoding with ``method`` uses: the target ``runner``'s (its verification
+    steps of k + 1 tokens a request, its pure decodes, its mixed steps) and the draft head's steps."""
+    graphs = getattr(runner, "graph_runner", None)
+    piecewise = getattr(runner, "piecewise", None)
+    parts = []
+    if graphs is not None and graphs.spec_sizes:
+        parts.append(
+            f"verification steps ({graphs.q} tokens a request) replay CUDA graphs for batch sizes "
+            f"1..{graphs.spec_sizes[-1]}"
+        )
+    else:
+        parts.append("verification steps run eagerly")
+    parts.append(
+        f"pure decodes replay CUDA graphs for batch sizes 1..{graphs.max_bs}"
+        if graphs is not None
+        else "pure decodes run eagerly"
+    )
+    parts.append(
+        f"mixed steps replay piecewise CUDA graphs up to {piecewise.max_tokens} tokens"
+        if piecewise is not None
+        else "mixed steps run eagerly"
+    )
+    if method != "medusa":
+        parts.append(
+            f"the draft head's steps replay CUDA graphs for batch sizes 1..{step_graphs.max_bs}"
+            if step_graphs is not None
+            else "the draft head's steps run eagerly"
+        )
+    return f"speculative decoding ({method}): " + "; ".join(parts)
+
+
+def log_speculation_graphs(method: str, runner: Any, step_graphs: DraftStepGraphs | None = None) -> None:
+    """Log :func:`speculation_graphs_summary` (once, at start-up)."""
+    logger.info("%s", speculation_graphs_summary(method, runner, step_graphs))
