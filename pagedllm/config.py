@@ -502,7 +502,7 @@ SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "medusa", "mtp", "dee
 MTP_METHODS = ("mtp", "deepseek_mtp")
 # Targets whose checkpoints hold MTP layers in the layout pagedllm/models/deepseek_mtp.py loads.
 MTP_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
-# Proposers that read the target's hidden states (its steps then run eagerly, and keep them).
+# Proposers that read the target's hidden states (its steps keep them: as computed, or in CUDA graphs' outputs).
 HIDDEN_STATE_METHODS = ("eagle", "eagle3", "medusa", *MTP_METHODS)
 
 

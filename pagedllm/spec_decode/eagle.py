@@ -170,22 +170,25 @@ class EagleProposer:
     def capture_step_graphs(self) -> None:
         """CUDA graphs of the draft steps (drafts 2..k; head_graphs.py), where the target has CUDA graphs and
         k > 1; then one log line of the graphs speculative decoding uses."""
-        runner = self.runner
-        wants = getattr(runner, "_graphs_wanted", None)
+        wants = getattr(self.runner, "_graphs_wanted", None)
         if self.k > 1 and wants is not None and wants():
-            hidden_size = self.runner.config.model_config.hf_config.hidden_size
-            self.step_graphs = DraftStepGraphs(
-                self._draft_step,
-                hidden_size,
-                runner.dtype,
-                runner.max_num_reqs,
-                self.k - 1,
-                _cdiv(self.max_model_len, self.block_size),
-                self.max_model_len,
-                self.device,
-            )
+            self.step_graphs = self.new_step_graphs()
             self.step_graphs.capture()
-        log_speculation_graphs(self.method, runner, self.step_graphs)
+        log_speculation_graphs(self.method, self.runner, self.step_graphs)
+
+    def new_step_graphs(self) -> DraftStepGraphs:
+        """Draft-step graphs (not captured yet) over this head, for the target's decode batch sizes."""
+        runner = self.runner
+        return DraftStepGraphs(
+            self._draft_step,
+            runner.config.model_config.hf_config.hidden_size,
+            runner.dtype,
+            runner.max_num_reqs,
+            self.k - 1,
+            _cdiv(self.max_model_len, self.block_size),
+            self.max_model_len,
+            self.device,
+        )
 
     # ------------------------------------------------------------------ per step
 
