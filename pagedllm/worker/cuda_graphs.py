@@ -38,7 +38,7 @@ import torch
 
 from pagedllm.attention.base import AttentionMetadata
 from pagedllm.platform import launch_with_pdl
-from pagedllm.worker.graph_io import EagerGraph, slice_rows
+from pagedllm.worker.graph_io import EagerGraph, map_output, slice_rows, unowned_view
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +171,15 @@ class CudaGraphRunner:
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.outputs[(bs, q)] = self.model(*args)
+                    output = self.model(*args)
+                if isinstance(output, tuple):
+                    # An EAGLE-3 target's (hidden, aux hidden), aux 3x as wide: kept as views that do not hold
+                    # their memory, so that the graphs captured after this one may reuse it (as the piecewise
+                    # graphs' outputs are; worker/piecewise_graphs.py). A step reads its graph's outputs before
+                    # the next replay, of any graph, may write there.
+                    output = map_output(unowned_view, output)
+                self.outputs[(bs, q)] = output
+                del output
             self.graphs[(bs, q)] = graph
         torch.cuda.synchronize(self.device)
         logger.info(

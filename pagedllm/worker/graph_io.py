@@ -42,6 +42,15 @@ def copy_output(dst: Any, src: Any) -> None:
         dst.copy_(src)
 
 
+def unowned_view(t: torch.Tensor) -> torch.Tensor:
+    """A view of ``t``'s memory that does not keep it allocated (a graph pool may hand it out again)."""
+    storage = t.untyped_storage()
+    unowned = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), t.device, storage.nbytes())
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+        unowned, t.storage_offset(), t.size(), t.stride()
+    )
+
+
 def final_hidden(output: Any) -> Any:
     """The final hidden states of a forward's ``output`` (its first tensor when it is a tuple)."""
     return output[0] if isinstance(output, tuple) else output

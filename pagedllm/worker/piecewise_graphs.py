@@ -48,6 +48,7 @@ import torch
 from pagedllm.attention.base import AttentionMetadata
 from pagedllm.layers.attention import Attention, split_at_attention
 from pagedllm.worker.graph_io import map_output
+from pagedllm.worker.graph_io import unowned_view as _unowned_view
 
 logger = logging.getLogger(__name__)
 
@@ -64,15 +65,6 @@ def piecewise_sizes(max_num_tokens: int) -> list[int]:
     )
     sizes = [s for s in sizes if s < top]
     return sizes + [top] if top >= 1 else []
-
-
-def _unowned_view(t: torch.Tensor) -> torch.Tensor:
-    """A view of ``t``'s memory that does not keep it allocated (the graph pool may hand it out again)."""
-    storage = t.untyped_storage()
-    unowned = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), t.device, storage.nbytes())
-    return torch.empty(0, dtype=t.dtype, device=t.device).set_(
-        unowned, t.storage_offset(), t.size(), t.stride()
-    )
 
 
 @dataclass
