@@ -1,0 +1,115 @@
+"""Speculative decoding that reads the target's hidden states, on CUDA graphs (GPU): the target's verification steps
+(k + 1 tokens a request) and pure decodes replay decode graphs whose static outputs hold the hidden states (and
+EAGLE-3's auxiliary ones), mixed steps replay piecewise graphs, and the EAGLE / MTP head's draft steps replay graphs
+of their own. Greedy output (float32: a difference would be a wrong token, not rounding) equals the eager engine's
+(enforce_eager=True) and plain decoding's; the graphs were replayed."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.demo import DEMO_MODEL_DIR, demo_eagle_head
+from pagedllm.spec_decode.head_graphs import speculation_graphs_summary
+from tests.models.test_deepseek import make_tiny_deepseek
+from tests.spec_decode.test_eagle import make_eagle_head
+from tests.spec_decode.test_medusa import make_medusa_heads
+from tests.spec_decode.test_mtp import V3, add_mtp_layer
+from tests.utils import make_tiny_model
+
+pytestmark = pytest.mark.gpu
+
+# Batch sizes 1..8 and piecewise sizes 16..64: a short capture, and every path (padded verification batches,
+# mixed prefill chunks and verification, batches above none) within reach of five prompts.
+KW = dict(
+    dtype="float32",
+    device="cuda",
+    block_size=16,
+    max_model_len=128,
+    max_num_seqs=8,
+    max_num_batched_tokens=64,
+    kv_cache_memory_bytes=64 * 2**20,
+)
+PROMPTS = [
+    [5, 9, 31, 7, 100],
+    list(range(40, 97)),
+    [7, 8, 9, 10] * 8,
+    [11, 12, 13, 14, 15, 16, 17, 18, 3, 4],
+    list(range(200, 233)),
+]
+
+
+@pytest.fixture(scope="module")
+def deep_llama(tmp_path_factory) -> str:
+    """EAGLE-3 reads target layers 2, L/2 and L-3: a target of 8 layers."""
+    return make_tiny_model("llama", tmp_path_factory.mktemp("deep") / "llama8", num_hidden_layers=8)
+
+
+def _generate(llm: LLM, prompts: list[list[int]], max_tokens: int = 40) -> list[list[int]]:
+    """Greedy tokens; requests of different lengths, so that batches shrink and verification mixes with the
+    prefill chunks of the requests behind."""
+    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens - 5 * i, ignore_eos=True) for i in range(5)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params[: len(prompts)], use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _check_graphs(llm: LLM, method: str, verification: bool = True, head: bool = True) -> None:
+    core = llm.llm_engine.engine_core
+    runner, proposer = core.runner, core.proposer
+    graphs = runner.graph_runner
+    assert graphs is not None
+    if verification:
+        assert graphs.q > 1 and sum(c for (_, q), c in graphs.num_replays.items() if q == graphs.q) > 0
+        assert runner.piecewise is not None and sum(runner.piecewise.num_replays.values()) > 0
+    else:  # MLA: pure decodes only
+        assert sum(c for (_, q), c in graphs.num_replays.items() if q == 1) > 0
+    if head:
+        assert proposer.step_graphs is not None and sum(proposer.step_graphs.num_replays.values()) > 0
+    line = speculation_graphs_summary(method, runner, getattr(proposer, "step_graphs", None))
+    assert ("draft head's steps replay CUDA graphs" in line) == head
+    stats = llm.llm_engine.get_stats()
+    assert stats.spec_num_drafts > 0
+    core.check_integrity()
+
+
+def _compare(target: str, spec: dict, prompts: list[list[int]], max_tokens: int = 40, **kw) -> LLM:
+    plain = _generate(LLM(target, **(KW | kw)), prompts, max_tokens)
+    eager = _generate(LLM(target, speculative_config=spec, enforce_eager=True, **(KW | kw)), prompts, max_tokens)
+    graphed = LLM(target, speculative_config=spec, **(KW | kw))
+    got = _generate(graphed, prompts, max_tokens)
+    assert got == eager
+    assert got == plain
+    return graphed
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_eagle_on_graphs_matches_eager_and_plain(deep_llama, tmp_path, method):
+    head = make_eagle_head(deep_llama, tmp_path / method, method)
+    llm = _compare(deep_llama, {"method": method, "model": head, "num_speculative_tokens": 3}, PROMPTS)
+    _check_graphs(llm, method)
+
+
+def test_medusa_on_graphs_matches_eager_and_plain(deep_llama, tmp_path):
+    heads, _ = make_medusa_heads(deep_llama, tmp_path / "medusa")
+    llm = _compare(deep_llama, {"method": "medusa", "model": heads, "num_speculative_tokens": 3}, PROMPTS)
+    _check_graphs(llm, "medusa", head=False)
+
+
+def test_mtp_on_graphs_matches_eager_and_plain(tmp_path):
+    path = make_tiny_deepseek("DeepseekV3Config", tmp_path / "v3", 41, num_nextn_predict_layers=1, **V3)
+    add_mtp_layer(path, seed=51)
+    prompts = [[t % 60 + 3 for t in p] for p in PROMPTS]
+    llm = _compare(path, {"method": "mtp", "num_speculative_tokens": 3}, prompts, max_tokens=24)
+    _check_graphs(llm, "mtp", verification=False)
+
+
+def test_demo_model_with_its_eagle_head_on_graphs():
+    """The bundled demo and its trained EAGLE head (what ``pagedllm bench latency --speculative-config
+    '{"method":"eagle","model":"pagedllm/demo_model/eagle","num_speculative_tokens":3}'`` runs): graphs for
+    the target and the head, the eager engine's tokens, drafts accepted."""
+    spec = {"method": "eagle", "model": demo_eagle_head(), "num_speculative_tokens": 3}
+    prompts = [list(range(100 + 7 * i, 140 + 7 * i)) for i in range(4)]
+    llm = _compare(str(DEMO_MODEL_DIR), spec, prompts)
+    _check_graphs(llm, "eagle")
+    stats = llm.llm_engine.get_stats()
+    assert stats.spec_num_accepted_tokens > 0
