@@ -48,7 +48,9 @@ def deep_llama(tmp_path_factory) -> str:
 def _generate(llm: LLM, prompts: list[list[int]], max_tokens: int = 40) -> list[list[int]]:
     """Greedy tokens; requests of different lengths, so that batches shrink and verification mixes with the
     prefill chunks of the requests behind."""
-    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens - 5 * i, ignore_eos=True) for i in range(5)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=max_tokens - 5 * i, ignore_eos=True) for i in range(5)
+    ]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params[: len(prompts)], use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
 
@@ -74,7 +76,9 @@ def _check_graphs(llm: LLM, method: str, verification: bool = True, head: bool =
 
 def _compare(target: str, spec: dict, prompts: list[list[int]], max_tokens: int = 40, **kw) -> LLM:
     plain = _generate(LLM(target, **(KW | kw)), prompts, max_tokens)
-    eager = _generate(LLM(target, speculative_config=spec, enforce_eager=True, **(KW | kw)), prompts, max_tokens)
+    eager = _generate(
+        LLM(target, speculative_config=spec, enforce_eager=True, **(KW | kw)), prompts, max_tokens
+    )
     graphed = LLM(target, speculative_config=spec, **(KW | kw))
     got = _generate(graphed, prompts, max_tokens)
     assert got == eager
