@@ -168,12 +168,15 @@ class EagleProposer:
         self.capture_step_graphs()
 
     def capture_step_graphs(self) -> None:
-        """CUDA graphs of the draft steps (drafts 2..k; head_graphs.py), where the target has CUDA graphs and
-        k > 1; then one log line of the graphs speculative decoding uses."""
-        wants = getattr(self.runner, "_graphs_wanted", None)
-        if self.k > 1 and wants is not None and wants():
+        """CUDA graphs of the draft steps (drafts 2..k; head_graphs.py), where the target has decode graphs
+        (captured before: not in eager mode, nor under ``cudagraph_mode`` NONE or PIECEWISE) and k > 1; then one
+        log line of the graphs speculative decoding uses."""
+        if self.k > 1 and getattr(self.runner, "graph_runner", None) is not None:
+            from pagedllm.kernels import compile_watch
+
             self.step_graphs = self.new_step_graphs()
-            self.step_graphs.capture()
+            with compile_watch.start_up():  # its warm-up's compiles are start-up's
+                self.step_graphs.capture()
         log_speculation_graphs(self.method, self.runner, self.step_graphs)
 
     def new_step_graphs(self) -> DraftStepGraphs:

@@ -125,9 +125,8 @@ def install_stand_in_graphs(llm: LLM, piecewise: bool = True) -> None:
         )
         assert pw.capture(len(layers))
         runner.piecewise = pw
-    if hasattr(proposer, "new_step_graphs") and proposer.k > 1:
-        proposer.step_graphs = proposer.new_step_graphs()
-        proposer.step_graphs.capture()
+    if hasattr(proposer, "capture_step_graphs"):
+        proposer.capture_step_graphs()  # as at start-up, now that the target has decode graphs
 
 
 def _generate(llm: LLM, prompts: list[list[int]], max_tokens: int = 24) -> list[list[int]]:
