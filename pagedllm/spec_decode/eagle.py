@@ -27,6 +27,8 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.spec_decode.head_graphs import (
+    CatchUpGraphs,
+    CatchUpInputs,
     DraftStepGraphs,
     draft_step_plan,
     log_speculation_graphs,
@@ -117,6 +119,7 @@ class EagleProposer:
         self.kv_cache: list[torch.Tensor] = []
         self.kv: KVCacheManager | None = None
         self.step_graphs: DraftStepGraphs | None = None
+        self.catch_up_graphs: CatchUpGraphs | None = None
 
     def _whole_tables(self, config: EngineConfig) -> tuple[torch.nn.Module, torch.nn.Module | None]:
         """Unsharded copies of the target's embedding and (EAGLE-1, whose logits are the target's) LM head, read
@@ -165,19 +168,45 @@ class EagleProposer:
         shape = (2, num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
         self.kv_cache = [torch.zeros(shape, dtype=self.runner.dtype, device=self.device)]
         self.kv = kv
-        self.capture_step_graphs()
+        self.capture_head_graphs()
 
-    def capture_step_graphs(self) -> None:
-        """CUDA graphs of the draft steps (drafts 2..k; head_graphs.py), where the target has decode graphs
-        (captured before: not in eager mode, nor under ``cudagraph_mode`` NONE or PIECEWISE) and k > 1; then one
-        log line of the graphs speculative decoding uses."""
-        if self.k > 1 and getattr(self.runner, "graph_runner", None) is not None:
+    def capture_head_graphs(self) -> None:
+        """CUDA graphs of the head (head_graphs.py), where the target has decode graphs (captured before: not in
+        eager mode, nor under ``cudagraph_mode`` NONE or PIECEWISE): of its draft steps (drafts 2..k) when k > 1,
+        and of its catch-up pass after verification steps where the target has multi-token graphs (not MLA,
+        whose multi-token steps are planned on the host). Then one log line of the graphs speculation uses."""
+        graphs = getattr(self.runner, "graph_runner", None)
+        if graphs is not None:
             from pagedllm.kernels import compile_watch
 
-            self.step_graphs = self.new_step_graphs()
-            with compile_watch.start_up():  # its warm-up's compiles are start-up's
-                self.step_graphs.capture()
-        log_speculation_graphs(self.method, self.runner, self.step_graphs)
+            with compile_watch.start_up():  # the warm-ups' compiles are start-up's
+                if self.k > 1:
+                    self.step_graphs = self.new_step_graphs()
+                    self.step_graphs.capture()
+                if graphs.q > 1:
+                    self.catch_up_graphs = self.new_catch_up_graphs(graphs.q)
+                    if self.catch_up_graphs.sizes:
+                        self.catch_up_graphs.capture()
+                    else:
+                        self.catch_up_graphs = None
+        log_speculation_graphs(self.method, self.runner, self.step_graphs, self.catch_up_graphs)
+
+    def new_catch_up_graphs(self, q: int) -> CatchUpGraphs:
+        """Catch-up graphs (not captured yet) over this head, for passes of at most ``q`` tokens a request."""
+        runner = self.runner
+        hidden_size = runner.config.model_config.hf_config.hidden_size
+        return CatchUpGraphs(
+            self._head_pass,
+            self._first,
+            hidden_size * max(1, len(self.aux_layers)),  # EAGLE-3 reads the aux layers' states, concatenated
+            runner.dtype,
+            runner.max_num_reqs,
+            q,
+            runner.max_num_tokens,
+            _cdiv(self.max_model_len, self.block_size),
+            self.max_model_len,
+            self.device,
+        )
 
     def new_step_graphs(self) -> DraftStepGraphs:
         """Draft-step graphs (not captured yet) over this head, for the target's decode batch sizes."""
@@ -221,15 +250,13 @@ class EagleProposer:
             segs.append((request, start, count))
         if not segs:
             return
-        hidden = step.draft_hidden[torch.tensor(rows, device=self.device)]  # [n, D]
         token_ids = np.concatenate(
             [np.asarray(r.all_token_ids[s + 1 : s + 1 + c], dtype=np.int64) for r, s, c in segs]
         )
-        out = self._forward(token_ids, hidden, segs)  # [n, H]
+        inputs = self._catch_up_inputs(token_ids, np.array(rows, dtype=np.int64), segs)
         # 2. Drafts for the requests that may speculate and whose last kept position is their last token's.
-        ends = np.cumsum([c for _, _, c in segs]) - 1
-        chosen = []
-        for (request, start, count), end in zip(segs, ends):
+        chosen = []  # (request, its index in segs, drafts)
+        for i, (request, start, count) in enumerate(segs):
             k = num_drafts_allowed(request, self.k, self.max_model_len)
             # Drafts 2..k run the head at positions num_tokens - 1 .. num_tokens + k - 3, writing its KV there:
             # no more than the request's blocks hold (a prefill chunk that stopped one token short of the prompt's
@@ -237,15 +264,28 @@ class EagleProposer:
             capacity = len(self.kv.get_block_ids(request.request_id)) * self.block_size
             k = min(k, capacity - request.num_tokens + 2)
             if can_speculate(request) and start + count == request.num_tokens - 1 and k > 0:
-                chosen.append((request, int(end), k))
-        if not chosen:
-            return
-        # 3. Draft 1 from the catch-up's output; drafts 2..k from draft steps, chained on the device (no host
-        # read until every draft is made).
+                chosen.append((request, i, k))
+        # The catch-up pass (it writes the head's KV, whether or not anyone drafts): draft 1 from each chosen
+        # request's last row.
+        dev = self.device
+        graphs = self.catch_up_graphs
+        if graphs is not None and graphs.can_run(inputs):
+            last, first = graphs.run(inputs, step.draft_hidden)  # [len(segs), H], [len(segs)]
+            if not chosen:
+                return
+            sel = torch.from_numpy(np.array([i for _, i, _ in chosen], dtype=np.int64)).to(dev)
+            h, first = last[sel], first[sel]  # [m, H], [m]
+        else:
+            rows_dev = torch.from_numpy(inputs.hidden_rows).to(dev, non_blocking=True)
+            out = self._forward(inputs, step.draft_hidden[rows_dev])  # [n, H]
+            if not chosen:
+                return
+            ends = inputs.query_start_loc[1:][[i for _, i, _ in chosen]] - 1
+            h = out[torch.from_numpy(ends).to(dev, non_blocking=True)]  # [m, H]
+            first = self._logits(h).argmax(dim=-1)  # [m] the draft at position num_tokens
+        # 3. Drafts 2..k from draft steps, chained on the device (no host read until every draft is made).
         ks = np.array([k for _, _, k in chosen], dtype=np.int64)  # [m]
-        h = out[torch.from_numpy(np.array([e for _, e, _ in chosen], dtype=np.int64)).to(self.device)]  # [m, H]
-        first = self._logits(h).argmax(dim=-1)  # [m] the draft at position num_tokens
-        drafts = torch.empty(len(chosen), int(ks.max()), dtype=torch.long, device=self.device)  # [m, max k]
+        drafts = torch.empty(len(chosen), int(ks.max()), dtype=torch.long, device=dev)  # [m, max k]
         drafts[:, 0] = first
         if drafts.shape[1] > 1:
             self._draft_steps([request for request, _, _ in chosen], ks, first, h, drafts[:, 1:])
@@ -278,27 +318,37 @@ class EagleProposer:
         else:
             run_draft_steps(self._draft_step, plan, tokens, hidden, out, self.device)
 
+    def _head_pass(
+        self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """The head over ``tokens`` ([T] the tokens at p + 1) and ``hidden`` ([T, H_in] the hidden at p) at
+        ``positions`` [T]: its hidden ``[T, H]``."""
+        embed = self.runner.model.model.embed if self.embed is None else self.embed
+        embeds = embed(tokens)
+        return self.head(embeds, hidden.to(embeds.dtype), positions, self.kv_cache, meta)
+
     def _draft_step(
         self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft step: the head over ``tokens`` ([n] the drafts just made) and ``hidden`` ([n, H]) at
         ``positions``; returns its hidden ``[n, H]`` and the next drafts ``[n]`` (argmax)."""
-        embed = self.runner.model.model.embed if self.embed is None else self.embed
-        embeds = embed(tokens)
-        out = self.head(embeds, hidden.to(embeds.dtype), positions, self.kv_cache, meta)
-        return out, self._logits(out).argmax(dim=-1)
+        out = self._head_pass(tokens, hidden, positions, meta)
+        return out, self._first(out)
+
+    def _first(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The drafts the head's ``hidden`` [n, H] make: ``[n]``, argmax of its logits."""
+        return self._logits(hidden).argmax(dim=-1)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.method == "eagle":
             return (self.runner.model.compute_logits if self.lm_head is None else self.lm_head)(hidden)
         return self.head.compute_logits(hidden)
 
-    def _forward(
-        self, token_ids: np.ndarray, hidden: torch.Tensor, segs: list[tuple[Request, int, int]]
-    ) -> torch.Tensor:  # [n, H]
-        """One head pass: request r's tokens at positions ``start .. start + count - 1`` (its context before
-        them is in the head's cache), reading ``hidden`` row by row."""
-        dev = self.device
+    def _catch_up_inputs(
+        self, token_ids: np.ndarray, hidden_rows: np.ndarray, segs: list[tuple[Request, int, int]]
+    ) -> CatchUpInputs:
+        """The host inputs of a catch-up pass: request r's tokens at positions ``start .. start + count - 1`` (its
+        context before them is in the head's cache), reading the target step's hidden rows ``hidden_rows``."""
         bs = self.block_size
         counts = np.array([c for _, _, c in segs], dtype=np.int64)
         starts = np.array([s for _, s, _ in segs], dtype=np.int64)
@@ -313,23 +363,27 @@ class EagleProposer:
             ids = self.kv.get_block_ids(request.request_id)[:max_blocks]
             table[i, : len(ids)] = ids
         slots = table[req_of, positions // bs].astype(np.int64) * bs + positions % bs
-        qsl = torch.from_numpy(cu.astype(np.int32))
-        lens = torch.from_numpy(seq_lens)
+        return CatchUpInputs(token_ids, hidden_rows, positions, slots, seq_lens, cu, table)
+
+    def _forward(self, inputs: CatchUpInputs, hidden: torch.Tensor) -> torch.Tensor:  # [T, H]
+        """The catch-up pass, eagerly, over ``hidden`` ([T, H_in] the target's hidden rows)."""
+        dev = self.device
+        counts = np.diff(inputs.query_start_loc)
+        qsl = torch.from_numpy(inputs.query_start_loc.astype(np.int32))
+        lens = torch.from_numpy(inputs.seq_lens)
         meta = AttentionMetadata(
-            num_reqs=len(segs),
-            num_tokens=int(cu[-1]),
+            num_reqs=len(counts),
+            num_tokens=len(inputs.token_ids),
             max_query_len=int(counts.max()),
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc=qsl.to(dev),
-            seq_lens=lens.to(dev),
-            block_table=torch.from_numpy(table).to(dev),
-            slot_mapping=torch.from_numpy(slots).to(dev),
+            max_seq_len=int(inputs.seq_lens.max()),
+            query_start_loc=qsl.to(dev, non_blocking=True),
+            seq_lens=lens.to(dev, non_blocking=True),
+            block_table=torch.from_numpy(inputs.block_table).to(dev, non_blocking=True),
+            slot_mapping=torch.from_numpy(inputs.slot_mapping).to(dev, non_blocking=True),
             query_start_loc_cpu=qsl,
             seq_lens_cpu=lens,
             is_pure_decode=bool((counts == 1).all()),
         )
-        embed = self.runner.model.model.embed if self.embed is None else self.embed
-        embeds = embed(torch.from_numpy(np.ascontiguousarray(token_ids)).to(dev))
-        return self.head(
-            embeds, hidden.to(embeds.dtype), torch.from_numpy(positions).to(dev), self.kv_cache, meta
-        )
+        tokens = torch.from_numpy(np.ascontiguousarray(inputs.token_ids)).to(dev, non_blocking=True)
+        positions = torch.from_numpy(inputs.positions).to(dev, non_blocking=True)
+        return self._head_pass(tokens, hidden, positions, meta)

@@ -278,9 +278,12 @@ class DraftStepGraphs:
         self.num_replays[bs] = self.num_replays.get(bs, 0) + steps
 
 
-def speculation_graphs_summary(method: str, runner: Any, step_graphs: DraftStepGraphs | None = None) -> str:
+def speculation_graphs_summary(
+    method: str, runner: Any, step_graphs: Any = None, catch_up_graphs: Any = None
+) -> str:
     """Which CUDA graphs speculative decoding with ``method`` uses: the target ``runner``'s (its verification
-    steps of k + 1 tokens a request, its pure decodes, its mixed steps) and the draft head's steps."""
+    steps of k + 1 tokens a request, its pure decodes, its mixed steps) and the draft head's (its catch-up pass
+    after verification steps, its draft steps)."""
     graphs = getattr(runner, "graph_runner", None)
     piecewise = getattr(runner, "piecewise", None)
     parts = []
@@ -303,6 +306,12 @@ def speculation_graphs_summary(method: str, runner: Any, step_graphs: DraftStepG
     )
     if method != "medusa":
         parts.append(
+            f"the draft head's catch-up after verification replays CUDA graphs for batch sizes "
+            f"1..{catch_up_graphs.max_bs}"
+            if catch_up_graphs is not None
+            else "the draft head's catch-up runs eagerly"
+        )
+        parts.append(
             f"the draft head's steps replay CUDA graphs for batch sizes 1..{step_graphs.max_bs}"
             if step_graphs is not None
             else "the draft head's steps run eagerly"
@@ -310,6 +319,198 @@ def speculation_graphs_summary(method: str, runner: Any, step_graphs: DraftStepG
     return f"speculative decoding ({method}): " + "; ".join(parts)
 
 
-def log_speculation_graphs(method: str, runner: Any, step_graphs: DraftStepGraphs | None = None) -> None:
+def log_speculation_graphs(
+    method: str, runner: Any, step_graphs: Any = None, catch_up_graphs: Any = None
+) -> None:
     """Log :func:`speculation_graphs_summary` (once, at start-up)."""
-    logger.info("%s", speculation_graphs_summary(method, runner, step_graphs))
+    logger.info("%s", speculation_graphs_summary(method, runner, step_graphs, catch_up_graphs))
+
+
+@dataclass
+class CatchUpInputs:
+    """The host inputs of a catch-up pass over ``n`` requests' kept positions (``T`` tokens)."""
+
+    token_ids: np.ndarray  # [T] int64 the token at p + 1 for each position p
+    hidden_rows: np.ndarray  # [T] int64 the target step's hidden row of each position
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64
+    seq_lens: np.ndarray  # [n] int32
+    query_start_loc: np.ndarray  # [n + 1] int64
+    block_table: np.ndarray  # [n, num_blocks] int32
+
+    @property
+    def max_query_len(self) -> int:
+        return int(np.diff(self.query_start_loc).max())
+
+
+# pass_fn(input_ids [T], hidden [T, H_in], positions [T], metadata) -> the head's hidden [T, H]
+PassFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+
+
+class CatchUpGraphs:
+    """CUDA graphs of the catch-up pass after a verification step (every request keeps at most ``q = k + 1``
+    positions), one per padded batch size ``bs`` whose ``bs * q`` rows fit the step budget, laid out as the target's
+    multi-token graphs (worker/cuda_graphs.py): the pass's tokens first, in their flattened order, with their real
+    ``query_start_loc``; requests ``n..bs`` have no token and no context; rows past the tokens write no key. Each
+    graph also takes the head's hidden at each request's last row and its argmax (draft 1, for the requests that
+    speculate: the caller picks theirs)::
+
+        input_ids[t]  hidden[t, H_in]  positions[t]  slot_mapping[t]  seq_lens[bs]  query_start_loc[bs + 1]
+        block_table[bs, max_blocks]   ->   last hidden [bs, H], draft 1 [bs]
+
+    ``hidden`` is filled by one gather from the target step's hidden states (EAGLE-3: its auxiliary ones)."""
+
+    def __init__(
+        self,
+        pass_fn: PassFn,
+        first_fn: Callable[[torch.Tensor], torch.Tensor],
+        hidden_in_size: int,
+        dtype: torch.dtype,
+        max_num_seqs: int,
+        q: int,
+        max_num_tokens: int,
+        max_blocks_per_req: int,
+        max_model_len: int,
+        device: torch.device,
+    ) -> None:
+        """``first_fn(hidden [n, H]) -> drafts [n]`` (argmax of the head's logits)."""
+        self.pass_fn = pass_fn
+        self.first_fn = first_fn
+        self.q = q
+        self.sizes = [s for s in capture_sizes(max_num_seqs) if s * q <= max_num_tokens]
+        self.max_bs = b = self.sizes[-1] if self.sizes else 0
+        self.max_tokens = t = b * q
+        self.max_blocks = mb = max_blocks_per_req
+        self.max_model_len = max_model_len
+        self.device = device
+        self.cuda = device.type == "cuda"
+        # i64 [input_ids (t) | positions (t) | slots (t) | hidden rows (t)], i32 [seq_lens (b) | qsl (b + 1) | table]
+        self.dev_i64 = torch.zeros(4 * t, dtype=torch.long, device=device)
+        self.dev_i32 = torch.zeros(2 * b + 1 + b * mb, dtype=torch.int32, device=device)
+        self.input_ids = self.dev_i64[:t]
+        self.positions = self.dev_i64[t : 2 * t]
+        self.slot_mapping = self.dev_i64[2 * t : 3 * t]
+        self.hidden_rows = self.dev_i64[3 * t :]
+        self.seq_lens = self.dev_i32[:b]
+        self.query_start_loc = self.dev_i32[b : 2 * b + 1]
+        self.block_table = self.dev_i32[2 * b + 1 :].view(b, mb)
+        self.hidden = torch.zeros(t, hidden_in_size, dtype=dtype, device=device)
+        self.slot_mapping.fill_(-1)
+        # One pinned host twin each: a proposal's copies have run before the next one (the target's step between
+        # them is waited for: its sampled tokens are read back).
+        pin = self.cuda
+        self.host_i64 = torch.zeros(4 * t, dtype=torch.long, pin_memory=pin)
+        self.host_i32 = torch.zeros(self.dev_i32.numel(), dtype=torch.int32, pin_memory=pin)
+        self.graphs: dict[int, Any] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.num_replays: dict[int, int] = {}
+
+    def padded_size(self, num_reqs: int) -> int | None:
+        for s in self.sizes:
+            if s >= num_reqs:
+                return s
+        return None
+
+    def can_run(self, inputs: CatchUpInputs) -> bool:
+        """Whether a captured graph takes the pass: at most ``q`` tokens a request, few enough requests."""
+        size = self.padded_size(len(inputs.seq_lens))
+        return size is not None and size in self.graphs and inputs.max_query_len <= self.q
+
+    def _metadata(self, bs: int) -> AttentionMetadata:
+        rows = bs * self.q
+        qsl = self.query_start_loc[: bs + 1]
+        if self.cuda:  # placeholders: with the Triton backend nothing reads these host twins
+            host = (
+                torch.arange(bs + 1, dtype=torch.int32) * self.q,
+                torch.full((bs,), self.q, dtype=torch.int32),
+            )
+        else:  # the stand-ins run the pass again at each replay: the buffers are the host's
+            host = (qsl, self.seq_lens[:bs])
+        return AttentionMetadata(
+            num_reqs=bs,
+            num_tokens=rows,
+            max_query_len=self.q,
+            max_seq_len=self.max_model_len,
+            query_start_loc=qsl,
+            seq_lens=self.seq_lens[:bs],
+            block_table=self.block_table[:bs],
+            slot_mapping=self.slot_mapping[:rows],
+            query_start_loc_cpu=host[0],
+            seq_lens_cpu=host[1],
+            is_pure_decode=False,
+        )
+
+    def _pass(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = bs * self.q
+        out = self.pass_fn(
+            self.input_ids[:rows], self.hidden[:rows], self.positions[:rows], self._metadata(bs)
+        )
+        last = out[self.query_start_loc[1 : bs + 1].long() - 1]  # [bs, H] each request's last row
+        return last, self.first_fn(last)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        start = time.perf_counter()
+        q = self.q
+        self.query_start_loc.copy_(torch.arange(self.max_bs + 1, device=self.device) * q)
+        if not self.cuda:
+            for bs in reversed(self.sizes):
+                self.seq_lens.fill_(q)
+                graph = EagerGraph(lambda bs=bs: self._pass(bs))
+                self.graphs[bs], self.outputs[bs] = graph, graph.output
+            return
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        for bs in reversed(self.sizes):
+            self.seq_lens.fill_(q)  # a valid batch while capturing: q tokens per request, no context
+            with launch_with_pdl():
+                with torch.cuda.stream(stream):
+                    for _ in range(2 if bs == self.max_bs else 1):
+                        self._pass(bs)
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self.outputs[bs] = self._pass(bs)
+            self.graphs[bs] = graph
+        torch.cuda.synchronize(self.device)
+        logger.info(
+            "captured CUDA graphs of the draft head's catch-up pass (%d tokens a request) for %d batch sizes "
+            "(1..%d) in %.1f s",
+            q,
+            len(self.sizes),
+            self.max_bs,
+            time.perf_counter() - start,
+        )
+
+    def run(self, inputs: CatchUpInputs, target_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pass over ``inputs`` (``can_run``), its hidden rows gathered from ``target_hidden``: each request's
+        last hidden ``[n, H]`` and draft 1 ``[n]``, views valid until the next replay."""
+        n, num_tokens = len(inputs.seq_lens), len(inputs.token_ids)
+        bs = self.padded_size(n)
+        rows, t, b, mb = bs * self.q, self.max_tokens, self.max_bs, self.max_blocks
+        h64, h32 = self.host_i64.numpy(), self.host_i32.numpy()
+        for i, values in enumerate(
+            (inputs.token_ids, inputs.positions, inputs.slot_mapping, inputs.hidden_rows)
+        ):
+            h64[i * t : i * t + num_tokens] = values
+        h64[num_tokens:rows] = 0
+        h64[t + num_tokens : t + rows] = 0
+        h64[2 * t + num_tokens : 2 * t + rows] = -1  # padding rows write no keys
+        h32[:n] = inputs.seq_lens
+        h32[n:bs] = 0  # padding requests: no token, no context
+        qsl = h32[b : 2 * b + 1]
+        qsl[: n + 1] = inputs.query_start_loc
+        qsl[n + 1 : bs + 1] = num_tokens
+        nb = min(inputs.block_table.shape[1], mb)
+        table = h32[2 * b + 1 :].reshape(b, mb)
+        table[:n, :nb] = inputs.block_table[:, :nb]
+        table[n:bs] = 0
+        self.dev_i64.copy_(self.host_i64, non_blocking=True)
+        end = 2 * b + 1 + bs * mb
+        self.dev_i32[:end].copy_(self.host_i32[:end], non_blocking=True)
+        torch.index_select(target_hidden, 0, self.hidden_rows[:num_tokens], out=self.hidden[:num_tokens])
+        self.graphs[bs].replay()
+        self.num_replays[bs] = self.num_replays.get(bs, 0) + 1
+        last, first = self.outputs[bs]
+        return last[:n], first[:n]

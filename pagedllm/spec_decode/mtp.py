@@ -95,6 +95,7 @@ class MTPProposer(EagleProposer):
         self.kv_cache: list[torch.Tensor] = []
         self.kv: KVCacheManager | None = None
         self.step_graphs = None
+        self.catch_up_graphs = None
 
     def kv_block_bytes(self) -> int:
         shape = self.head.attn.kv_cache_shape(1, self.block_size)  # [1, block_size, kv_lora_rank + rope dim]
@@ -104,4 +105,4 @@ class MTPProposer(EagleProposer):
         shape = self.head.attn.kv_cache_shape(num_blocks, self.block_size)
         self.kv_cache = [torch.zeros(shape, dtype=self.runner.dtype, device=self.device)]
         self.kv = kv
-        self.capture_step_graphs()
+        self.capture_head_graphs()

@@ -125,8 +125,8 @@ def install_stand_in_graphs(llm: LLM, piecewise: bool = True) -> None:
         )
         assert pw.capture(len(layers))
         runner.piecewise = pw
-    if hasattr(proposer, "capture_step_graphs"):
-        proposer.capture_step_graphs()  # as at start-up, now that the target has decode graphs
+    if hasattr(proposer, "capture_head_graphs"):
+        proposer.capture_head_graphs()  # as at start-up, now that the target has decode graphs
 
 
 def _generate(llm: LLM, prompts: list[list[int]], max_tokens: int = 24) -> list[list[int]]:
@@ -151,6 +151,8 @@ def _check_graphs_used(llm: LLM, verification: bool = True, head: bool = True) -
         assert sum(c for (_, q), c in graphs.num_replays.items() if q == graphs.q > 1) > 0
     if head:
         assert sum(core.proposer.step_graphs.num_replays.values()) > 0
+        if verification:  # (MLA: the catch-up runs eagerly)
+            assert sum(core.proposer.catch_up_graphs.num_replays.values()) > 0
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
@@ -224,7 +226,10 @@ def test_startup_summary_names_the_graphs(deep_llama, tmp_path):
     core = llm.llm_engine.engine_core
     assert "run eagerly" in speculation_graphs_summary("eagle", core.runner, None)  # CPU: no graphs
     install_stand_in_graphs(llm)
-    line = speculation_graphs_summary("eagle", core.runner, core.proposer.step_graphs)
+    line = speculation_graphs_summary(
+        "eagle", core.runner, core.proposer.step_graphs, core.proposer.catch_up_graphs
+    )
     assert "verification steps (4 tokens a request) replay CUDA graphs for batch sizes 1..8" in line
     assert "piecewise CUDA graphs up to 32 tokens" in line
     assert "draft head's steps replay CUDA graphs for batch sizes 1..8" in line
+    assert "catch-up after verification replays CUDA graphs for batch sizes 1..8" in line

@@ -67,7 +67,11 @@ def _check_graphs(llm: LLM, method: str, verification: bool = True, head: bool =
         assert sum(c for (_, q), c in graphs.num_replays.items() if q == 1) > 0
     if head:
         assert proposer.step_graphs is not None and sum(proposer.step_graphs.num_replays.values()) > 0
-    line = speculation_graphs_summary(method, runner, getattr(proposer, "step_graphs", None))
+        if verification:  # (MLA: the catch-up runs eagerly)
+            assert sum(proposer.catch_up_graphs.num_replays.values()) > 0
+    line = speculation_graphs_summary(
+        method, runner, getattr(proposer, "step_graphs", None), getattr(proposer, "catch_up_graphs", None)
+    )
     assert ("draft head's steps replay CUDA graphs" in line) == head
     stats = llm.llm_engine.get_stats()
     assert stats.spec_num_drafts > 0
