@@ -142,6 +142,12 @@ def main(args: argparse.Namespace) -> int:
         spec = spec_decode_summary(llm.llm_engine.get_stats(), stats_before)
         if spec is not None:
             print(spec)
+        # Which CUDA graphs the target and the draft head replay (an EAGLE / MTP / Medusa proposer in this process)
+        graphs = getattr(
+            getattr(getattr(llm.llm_engine, "engine_core", None), "proposer", None), "graphs_summary", None
+        )
+        if graphs is not None:
+            print(graphs)
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(

@@ -189,7 +189,9 @@ class EagleProposer:
                         self.catch_up_graphs.capture()
                     else:
                         self.catch_up_graphs = None
-        log_speculation_graphs(self.method, self.runner, self.step_graphs, self.catch_up_graphs)
+        self.graphs_summary = log_speculation_graphs(
+            self.method, self.runner, self.step_graphs, self.catch_up_graphs
+        )
 
     def new_catch_up_graphs(self, q: int) -> CatchUpGraphs:
         """Catch-up graphs (not captured yet) over this head, for passes of at most ``q`` tokens a request."""

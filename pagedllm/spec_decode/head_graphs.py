@@ -321,9 +321,12 @@ def speculation_graphs_summary(
 
 def log_speculation_graphs(
     method: str, runner: Any, step_graphs: Any = None, catch_up_graphs: Any = None
-) -> None:
-    """Log :func:`speculation_graphs_summary` (once, at start-up)."""
-    logger.info("%s", speculation_graphs_summary(method, runner, step_graphs, catch_up_graphs))
+) -> str:
+    """Log :func:`speculation_graphs_summary` (once, at start-up); returns it (the proposer keeps it as
+    ``graphs_summary``, which ``pagedllm bench latency`` prints)."""
+    summary = speculation_graphs_summary(method, runner, step_graphs, catch_up_graphs)
+    logger.info("%s", summary)
+    return summary
 
 
 @dataclass

@@ -72,7 +72,7 @@ class MedusaProposer:
         return 0
 
     def init_kv_cache(self, num_blocks: int, kv: KVCacheManager) -> None:
-        log_speculation_graphs("medusa", self.runner)
+        self.graphs_summary = log_speculation_graphs("medusa", self.runner)
 
     @torch.inference_mode()
     def propose(

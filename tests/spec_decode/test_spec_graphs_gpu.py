@@ -121,3 +121,6 @@ def test_demo_model_with_its_eagle_head_on_graphs():
     _check_graphs(llm, "eagle")
     stats = llm.llm_engine.get_stats()
     assert stats.spec_num_accepted_tokens > 0
+    summary = llm.llm_engine.engine_core.proposer.graphs_summary  # logged at start-up, printed by bench latency
+    assert "verification steps (4 tokens a request) replay CUDA graphs" in summary
+    assert "catch-up after verification replays" in summary and "draft head's steps replay" in summary
