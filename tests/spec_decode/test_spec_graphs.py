@@ -130,10 +130,15 @@ def install_stand_in_graphs(llm: LLM, piecewise: bool = True) -> None:
 
 
 def _generate(llm: LLM, prompts: list[list[int]], max_tokens: int = 24) -> list[list[int]]:
+    """Greedy tokens; requests of different lengths. The first, the longest, has a repetition penalty: it never
+    speculates, so its rows join verification steps one token long, and it ends alone in pure decodes."""
     params = [
         SamplingParams(temperature=0.0, max_tokens=max_tokens - 3 * i, ignore_eos=True)
         for i in range(len(prompts))
     ]
+    params[0] = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens + 6, ignore_eos=True, repetition_penalty=1.3
+    )
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
 

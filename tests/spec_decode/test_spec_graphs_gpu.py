@@ -47,10 +47,14 @@ def deep_llama(tmp_path_factory) -> str:
 
 def _generate(llm: LLM, prompts: list[list[int]], max_tokens: int = 40) -> list[list[int]]:
     """Greedy tokens; requests of different lengths, so that batches shrink and verification mixes with the
-    prefill chunks of the requests behind."""
+    prefill chunks of the requests behind. The first, the longest, has a repetition penalty: it never speculates,
+    so its rows join verification steps one token long, and it ends alone in pure decodes."""
     params = [
         SamplingParams(temperature=0.0, max_tokens=max_tokens - 5 * i, ignore_eos=True) for i in range(5)
     ]
+    params[0] = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens + 6, ignore_eos=True, repetition_penalty=1.3
+    )
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params[: len(prompts)], use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
 
@@ -121,6 +125,8 @@ def test_demo_model_with_its_eagle_head_on_graphs():
     _check_graphs(llm, "eagle")
     stats = llm.llm_engine.get_stats()
     assert stats.spec_num_accepted_tokens > 0
-    summary = llm.llm_engine.engine_core.proposer.graphs_summary  # logged at start-up, printed by bench latency
+    summary = (
+        llm.llm_engine.engine_core.proposer.graphs_summary
+    )  # logged at start-up, printed by bench latency
     assert "verification steps (4 tokens a request) replay CUDA graphs" in summary
     assert "catch-up after verification replays" in summary and "draft head's steps replay" in summary
