@@ -275,7 +275,8 @@ class EagleProposer:
             last, first = graphs.run(inputs, step.draft_hidden)  # [len(segs), H], [len(segs)]
             if not chosen:
                 return
-            sel = torch.from_numpy(np.array([i for _, i, _ in chosen], dtype=np.int64)).to(dev)
+            sel = np.array([i for _, i, _ in chosen], dtype=np.int64)
+            sel = torch.from_numpy(sel).to(dev, non_blocking=True)  # (blocking, it would wait for the device)
             h, first = last[sel], first[sel]  # [m, H], [m]
         else:
             rows_dev = torch.from_numpy(inputs.hidden_rows).to(dev, non_blocking=True)

@@ -16,6 +16,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from pagedllm.config import EngineConfig
@@ -98,7 +99,9 @@ class MedusaProposer:
             chosen.append((request, k))
         if not chosen:
             return
-        hidden = step.draft_hidden[torch.tensor(rows, device=self.device)]  # [m, H]
+        # (a blocking copy would wait for the device: the proposal's one wait is reading the drafts back)
+        rows_dev = torch.from_numpy(np.array(rows, dtype=np.int64)).to(self.device, non_blocking=True)
+        hidden = step.draft_hidden[rows_dev]  # [m, H]
         num_heads = max(k for _, k in chosen)
         drafts = self.heads(hidden, num_heads).argmax(dim=-1).T.tolist()  # [m][num_heads]
         for (request, k), d in zip(chosen, drafts):
