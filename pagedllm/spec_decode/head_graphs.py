@@ -1,4 +1,5 @@
-"""The draft steps of an EAGLE / EAGLE-3 / MTP head: their host plan, and CUDA graphs of them (GPU).
+"""The passes of an EAGLE / EAGLE-3 / MTP head: the draft steps' host plan, and CUDA graphs of the draft steps and
+of the catch-up pass (GPU).
 
 After the catch-up pass gives draft 1 (pagedllm/spec_decode/eagle.py), each of drafts 2..k is one head pass over
 one token per request: step j (0-based) runs the head at position ``num_tokens - 1 + j`` on the draft just made and
@@ -22,6 +23,11 @@ device copy each brings that step's positions and slots, and its context lengths
 device once). Padding rows (n..bs) rest like the resting rows. The metadata is a decode step's with
 ``max_seq_len`` fixed to ``max_model_len`` (the kernels read each row's length from ``seq_lens``), as in the
 target's decode graphs. Batches above the largest size run the same steps eagerly.
+
+:class:`CatchUpGraphs` captures the catch-up pass that precedes the draft steps, for passes after verification
+steps (at most k + 1 kept positions a request), laid out as the target's multi-token graphs; its graphs also take
+draft 1. Prefill catch-ups (longer chunks) and larger batches run eagerly; so does every catch-up under MLA
+(MTP), whose multi-token steps are planned on the host (its draft steps, decodes, have their graphs).
 """
 
 from __future__ import annotations

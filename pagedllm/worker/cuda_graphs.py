@@ -13,6 +13,12 @@ attention kernel skips them (its grid depends only on ``bs``, ``bs * q``, ``q`` 
 real tokens belong to no request: their keys are not written (slot -1), the attention leaves their output
 unwritten, and their hidden rows are ignored (every other op is row-wise, so nothing reaches a real row).
 
+Speculative decoding that reads the target's hidden states (EAGLE, EAGLE-3, MTP, Medusa) uses these graphs too: a
+step's output is the rows of the graph's static output that its tokens own, handed to the proposer as views (read
+before the next replay). An EAGLE-3 target's forward returns a pair, the final hidden states and its auxiliary
+layers' states ``[bs * q, 3 * H]``: both are kept, as views that do not hold their memory (the graphs captured
+later may reuse it), as the piecewise graphs keep theirs.
+
 A hybrid model (KV cache groups, core/kv_cache_manager.py) has one slot mapping and one block table per group:
 ``slot_mapping[groups, bs]`` and ``block_table[bs, groups, max_blocks]`` (group g's table is the strided view
 ``[:, g]``, rows ``max_blocks * groups`` apart, so the rows a batch uses stay one contiguous copy).
