@@ -285,11 +285,11 @@ class DraftStepGraphs:
 
 
 def speculation_graphs_summary(
-    method: str, runner: Any, step_graphs: Any = None, catch_up_graphs: Any = None
+    method: str, runner: Any, step_graphs: Any = None, catch_up_graphs: Any = None, heads: Any = None
 ) -> str:
     """Which CUDA graphs speculative decoding with ``method`` uses: the target ``runner``'s (its verification
     steps of k + 1 tokens a request, its pure decodes, its mixed steps) and the draft head's (its catch-up pass
-    after verification steps, its draft steps)."""
+    after verification steps, its draft steps; Medusa's ``heads``)."""
     graphs = getattr(runner, "graph_runner", None)
     piecewise = getattr(runner, "piecewise", None)
     parts = []
@@ -310,7 +310,13 @@ def speculation_graphs_summary(
         if piecewise is not None
         else "mixed steps run eagerly"
     )
-    if method != "medusa":
+    if method == "medusa":
+        parts.append(
+            f"the heads replay CUDA graphs for batch sizes 1..{heads.max_bs}"
+            if heads is not None
+            else "the heads run eagerly"
+        )
+    else:
         parts.append(
             f"the draft head's catch-up after verification replays CUDA graphs for batch sizes "
             f"1..{catch_up_graphs.max_bs}"
@@ -326,11 +332,11 @@ def speculation_graphs_summary(
 
 
 def log_speculation_graphs(
-    method: str, runner: Any, step_graphs: Any = None, catch_up_graphs: Any = None
+    method: str, runner: Any, step_graphs: Any = None, catch_up_graphs: Any = None, heads: Any = None
 ) -> str:
     """Log :func:`speculation_graphs_summary` (once, at start-up); returns it (the proposer keeps it as
     ``graphs_summary``, which ``pagedllm bench latency`` prints)."""
-    summary = speculation_graphs_summary(method, runner, step_graphs, catch_up_graphs)
+    summary = speculation_graphs_summary(method, runner, step_graphs, catch_up_graphs, heads)
     logger.info("%s", summary)
     return summary
 
@@ -523,3 +529,73 @@ class CatchUpGraphs:
         self.num_replays[bs] = self.num_replays.get(bs, 0) + 1
         last, first = self.outputs[bs]
         return last[:n], first[:n]
+
+
+class RowGraphs:
+    """CUDA graphs of a row-wise function of one input, ``fn(x [bs, D]) -> y [bs, ...]``, one per padded batch
+    size (the target's decode sizes): Medusa's heads over the target's hidden states. ``x`` lives in a static
+    buffer; padding rows hold stale values, and their outputs are ignored."""
+
+    def __init__(
+        self,
+        fn: Callable[[torch.Tensor], torch.Tensor],
+        width: int,
+        dtype: torch.dtype,
+        max_num_seqs: int,
+        device: torch.device,
+    ) -> None:
+        self.fn = fn
+        self.sizes = capture_sizes(max_num_seqs)
+        self.max_bs = self.sizes[-1]
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.x = torch.zeros(self.max_bs, width, dtype=dtype, device=device)
+        self.graphs: dict[int, Any] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.num_replays: dict[int, int] = {}
+
+    def padded_size(self, num_rows: int) -> int | None:
+        for s in self.sizes:
+            if s >= num_rows:
+                return s
+        return None
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        start = time.perf_counter()
+        if not self.cuda:
+            for bs in reversed(self.sizes):
+                graph = EagerGraph(lambda bs=bs: self.fn(self.x[:bs]))
+                self.graphs[bs], self.outputs[bs] = graph, graph.output
+            return
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        for bs in reversed(self.sizes):
+            with launch_with_pdl():
+                with torch.cuda.stream(stream):
+                    for _ in range(2 if bs == self.max_bs else 1):
+                        self.fn(self.x[:bs])
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self.outputs[bs] = self.fn(self.x[:bs])
+            self.graphs[bs] = graph
+        torch.cuda.synchronize(self.device)
+        logger.info(
+            "captured CUDA graphs of the draft heads for %d batch sizes (1..%d) in %.1f s",
+            len(self.sizes),
+            self.max_bs,
+            time.perf_counter() - start,
+        )
+
+    def run(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``fn(x)`` ([n, ...], a view valid until the next replay), or None when no graph takes ``n`` rows."""
+        n = x.shape[0]
+        bs = self.padded_size(n)
+        if bs is None or bs not in self.graphs:
+            return None
+        self.x[:n].copy_(x)
+        self.graphs[bs].replay()
+        self.num_replays[bs] = self.num_replays.get(bs, 0) + 1
+        return self.outputs[bs][:n]

@@ -5,8 +5,9 @@ After every target step, for each request that may speculate and whose last comp
 that produced its newest token (p = num_tokens - 2), head i reads the target's final hidden state at p and its
 argmax is draft i + 1 (the token at num_tokens + i). The heads keep no KV cache and need no catch-up pass: only
 that one row of each request is read. The target's steps hand over their hidden states (views of its CUDA graphs'
-static outputs when they replay graphs), and the heads run eagerly (one pass a step); the drafts are
-deterministic, so the rejection sampler keeps the output exact.
+static outputs when they replay graphs), and the heads' one pass a step replays CUDA graphs by padded batch size
+where the target has graphs (head_graphs.RowGraphs); the drafts are deterministic, so the rejection sampler keeps
+the output exact.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from pagedllm.spec_decode.head_graphs import log_speculation_graphs
+from pagedllm.spec_decode.head_graphs import RowGraphs, log_speculation_graphs
 from pagedllm.spec_decode.proposer import can_speculate, kept_positions, num_drafts_allowed
 
 
@@ -68,12 +69,35 @@ class MedusaProposer:
         if head_config.original_lm_head and not copy:
             heads.target_lm_head = runner.model.compute_logits  # the target's own LM head (one process)
         self.heads = heads.eval()
+        self.head_graphs: RowGraphs | None = None
 
     def kv_block_bytes(self) -> int:
         return 0
 
     def init_kv_cache(self, num_blocks: int, kv: KVCacheManager) -> None:
-        self.graphs_summary = log_speculation_graphs("medusa", self.runner)
+        self.capture_head_graphs()
+
+    def capture_head_graphs(self) -> None:
+        """CUDA graphs of the heads (all k of them, by padded batch size) where the target has decode graphs;
+        then one log line of the graphs speculation uses."""
+        runner = self.runner
+        if getattr(runner, "graph_runner", None) is not None:
+            from pagedllm.kernels import compile_watch
+
+            self.head_graphs = RowGraphs(
+                self._drafts,
+                runner.config.model_config.hf_config.hidden_size,
+                runner.dtype,
+                runner.max_num_reqs,
+                self.device,
+            )
+            with compile_watch.start_up():  # the warm-up's compiles are start-up's
+                self.head_graphs.capture()
+        self.graphs_summary = log_speculation_graphs("medusa", runner, heads=self.head_graphs)
+
+    def _drafts(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[n, k]`` the k heads' drafts over ``hidden`` [n, H] (argmax)."""
+        return self.heads(hidden, self.k).argmax(dim=-1).T
 
     @torch.inference_mode()
     def propose(
@@ -102,7 +126,11 @@ class MedusaProposer:
         # (a blocking copy would wait for the device: the proposal's one wait is reading the drafts back)
         rows_dev = torch.from_numpy(np.array(rows, dtype=np.int64)).to(self.device, non_blocking=True)
         hidden = step.draft_hidden[rows_dev]  # [m, H]
-        num_heads = max(k for _, k in chosen)
-        drafts = self.heads(hidden, num_heads).argmax(dim=-1).T.tolist()  # [m][num_heads]
+        graphed = None if self.head_graphs is None else self.head_graphs.run(hidden)  # [m, k]
+        if graphed is not None:
+            drafts = graphed.tolist()
+        else:
+            num_heads = max(k for _, k in chosen)
+            drafts = self.heads(hidden, num_heads).argmax(dim=-1).T.tolist()  # [m][num_heads]
         for (request, k), d in zip(chosen, drafts):
             request.spec_token_ids = d[:k]

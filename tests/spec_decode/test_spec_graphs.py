@@ -223,6 +223,8 @@ def test_medusa_with_stand_in_graphs_matches_plain(deep_llama, tmp_path):
     assert _generate(graphed, PROMPTS) == want == plain
     assert _drafts(graphed) == _drafts(eager) and _drafts(graphed)[0] > 0
     _check_graphs_used(graphed, head=False)
+    heads = graphed.llm_engine.engine_core.proposer.head_graphs  # the heads' pass, by padded batch size
+    assert sum(heads.num_replays.values()) > 0
 
 
 def test_startup_summary_names_the_graphs(deep_llama, tmp_path):

@@ -105,6 +105,9 @@ def test_medusa_on_graphs_matches_eager_and_plain(deep_llama, tmp_path):
     heads, _ = make_medusa_heads(deep_llama, tmp_path / "medusa")
     llm = _compare(deep_llama, {"method": "medusa", "model": heads, "num_speculative_tokens": 3}, PROMPTS)
     _check_graphs(llm, "medusa", head=False)
+    heads = llm.llm_engine.engine_core.proposer.head_graphs  # the heads' pass, by padded batch size
+    assert sum(heads.num_replays.values()) > 0
+    assert "the heads replay CUDA graphs" in llm.llm_engine.engine_core.proposer.graphs_summary
 
 
 def test_mtp_on_graphs_matches_eager_and_plain(tmp_path):
