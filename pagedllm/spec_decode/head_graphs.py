@@ -460,7 +460,7 @@ class CatchUpGraphs:
         out = self.pass_fn(
             self.input_ids[:rows], self.hidden[:rows], self.positions[:rows], self._metadata(bs)
         )
-        last = out[self.query_start_loc[1 : bs + 1].long() - 1]  # [bs, H] each request's last row
+        last = torch.index_select(out, 0, self.query_start_loc[1 : bs + 1].long() - 1)  # [bs, H] last rows
         return last, self.first_fn(last)
 
     @torch.inference_mode()
