@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 
 @dataclass
 class Logprob:
@@ -62,13 +64,21 @@ class RequestOutput:
 
 class PoolingOutput:
     """A pooling request's raw result: ``data`` is a float32 tensor on the host (``[hidden_size]`` for an
-    embedding model, ``[num_labels]`` for a classifier). Built from a tensor or from the engine's list of floats;
-    from a list, the tensor is made when ``data`` is first read (``values`` gives the list without it)."""
+    embedding model, ``[num_labels]`` for a classifier). Built from a tensor, a float32 numpy array (the engine's
+    row of its step's results; ``data`` shares its memory) or a list of floats; each form is made from the other
+    when first read (``values`` gives the list)."""
 
     __slots__ = ("_data", "_values")
 
     def __init__(self, data: Any) -> None:
-        self._data, self._values = (None, list(data)) if isinstance(data, list) else (data, None)
+        if isinstance(data, list):
+            self._data, self._values = None, list(data)
+        elif isinstance(data, np.ndarray):
+            import torch
+
+            self._data, self._values = torch.from_numpy(data), None
+        else:
+            self._data, self._values = data, None
 
     @property
     def data(self) -> Any:  # torch.Tensor
@@ -80,7 +90,9 @@ class PoolingOutput:
 
     @property
     def values(self) -> list[float]:
-        return self._values if self._values is not None else self._data.tolist()
+        if self._values is None:
+            self._values = self._data.tolist()
+        return self._values
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, PoolingOutput) and bool((self.data == other.data).all())
@@ -98,13 +110,41 @@ class PoolingRequestOutput:
     prompt: str | None = None
 
 
-@dataclass
 class EmbeddingOutput:
-    embedding: list[float]
+    """``embedding``: the vector as a list of floats, made from the engine's tensor when first read (a large
+    batch whose embeddings are read as tensors, through ``PoolingRequestOutput.outputs.data``, or not at all,
+    never builds the lists)."""
+
+    __slots__ = ("_embedding", "_source")
+
+    def __init__(self, embedding: list[float] | None = None, *, source: PoolingOutput | None = None) -> None:
+        if embedding is None and source is None:
+            raise ValueError("EmbeddingOutput needs an embedding")
+        self._embedding = embedding
+        self._source = source
+
+    @property
+    def embedding(self) -> list[float]:
+        if self._embedding is None:
+            self._embedding = self._source.values
+        return self._embedding
+
+    @property
+    def data(self) -> Any:  # torch.Tensor
+        """The embedding as a float32 tensor (no list is built when it came from the engine)."""
+        if self._source is None:
+            self._source = PoolingOutput(self._embedding)
+        return self._source.data
 
     @property
     def hidden_size(self) -> int:
-        return len(self.embedding)
+        return len(self._embedding) if self._embedding is not None else int(self._source.data.shape[-1])
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, EmbeddingOutput) and self.embedding == other.embedding
+
+    def __repr__(self) -> str:
+        return f"EmbeddingOutput(embedding={self.embedding!r})"
 
 
 @dataclass
@@ -125,7 +165,7 @@ class ScoringOutput:
 class EmbeddingRequestOutput(PoolingRequestOutput):
     @classmethod
     def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
-        return cls(out.request_id, EmbeddingOutput(out.outputs.values), out.prompt_token_ids,
+        return cls(out.request_id, EmbeddingOutput(source=out.outputs), out.prompt_token_ids,
                    out.finished, out.prompt)
 
 

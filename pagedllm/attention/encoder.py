@@ -9,6 +9,7 @@ the memory-efficient kernel for float32), over the real tokens only. On the CPU 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,19 +38,38 @@ class PoolingBatch:
     kv_caches: list[torch.Tensor] | None = None
     attn_metadata: Any = None  # AttentionMetadata
 
+    owner: torch.Tensor | None = None  # [num_tokens] int64, device: the request each token belongs to
+
     @classmethod
-    def build(cls, cu: np.ndarray, device: torch.device) -> PoolingBatch:
+    def build(
+        cls,
+        cu: np.ndarray,
+        device: torch.device,
+        upload: Callable[[np.ndarray], torch.Tensor] | None = None,
+        positions: np.ndarray | None = None,
+    ) -> PoolingBatch:
+        """``upload``: how a host array reaches ``device`` (default: a plain copy); ``positions``: each token's
+        position in its request, when the caller has them already."""
+        if upload is None:
+            upload = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
         lens = np.diff(cu)  # [num_reqs]
         max_len = int(lens.max())
         num_reqs = len(lens)
         owner = np.repeat(np.arange(num_reqs), lens)  # [num_tokens]
-        offset = np.arange(int(cu[-1])) - np.repeat(cu[:-1], lens)  # [num_tokens] position in its request
-        token_index = torch.from_numpy(owner * max_len + offset).to(device)
-        key_mask = torch.from_numpy(np.arange(max_len)[None, :] < lens[:, None]).to(
-            device
-        )  # [num_reqs, max_len]
-        cu_device = torch.from_numpy(cu.astype(np.int32)).to(device)
-        return cls(cu, max_len, int(lens.min()), cu_device, token_index, key_mask[:, None, None, :])
+        if positions is None:
+            positions = np.arange(int(cu[-1])) - np.repeat(
+                cu[:-1], lens
+            )  # [num_tokens] position in its request
+        key_mask = upload(np.arange(max_len)[None, :] < lens[:, None])  # [num_reqs, max_len]
+        return cls(
+            cu,
+            max_len,
+            int(lens.min()),
+            upload(cu.astype(np.int32)),
+            upload(owner * max_len + positions),
+            key_mask[:, None, None, :],
+            owner=upload(owner),
+        )
 
 
 def encoder_attention(

@@ -57,7 +57,8 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None  # stop token id that ended it
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     queue_time: float | None = None  # seconds from arrival to first scheduling; on the first output only
-    pooling_output: list[float] | None = None  # a pooling request's result (pagedllm/pooling/pooler.py)
+    # a pooling request's result (pagedllm/pooling/pooler.py): a float32 numpy row (or a list of floats)
+    pooling_output: Any = None
     kv_transfer_params: dict[str, Any] | None = None  # a KV connector's handle, on the finished output only
 
     @property

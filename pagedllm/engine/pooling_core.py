@@ -23,7 +23,7 @@ from pagedllm.core.scheduler import WaitingQueue
 from pagedllm.pooling.params import check_pooling_prompt
 from pagedllm.pooling.pooler import check_params
 from pagedllm.worker.cpu_threads import CpuThreadGovernor, apply_user_thread_setting
-from pagedllm.worker.pooling_runner import PoolingInput, PoolingRunner
+from pagedllm.worker.pooling_runner import PooledStep, PoolingInput, PoolingRunner
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +44,10 @@ class PoolingEngineCore:
         self.waiting = WaitingQueue(config.scheduler_config.policy)
         self.requests: dict[str, EngineCoreRequest] = {}  # the waiting ones, by id
         self.stats = SchedulerStats()
+        self.num_steps = 0  # batches run since start-up
+        # The step on the device whose outputs the next ``step`` returns: (its handle, the queue time of each of
+        # its requests not aborted since, by id).
+        self._in_flight: tuple[PooledStep, dict[str, float]] | None = None
         self._shut_down = False
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -81,41 +85,59 @@ class PoolingEngineCore:
         return batch
 
     def step(self) -> EngineCoreOutputs:
+        """Queue the next batch on the device, then return the outputs of the batch queued by the previous call
+        (or of this one when nothing is left waiting): one step stays in flight, so the host schedules and
+        prepares step N + 1 while the device runs step N. A pooled output feeds nothing back, so the work and its
+        order on the device are unchanged."""
         if self._cpu_threads is not None:
             self._cpu_threads.maybe_update()
         batch = self._schedule()
-        outputs: list[EngineCoreOutput] = []
+        launched = None
         if batch:
             now = time.monotonic()
-            results = self.runner.execute(
-                [
-                    PoolingInput(r.request_id, r.prompt_token_ids, r.pooling_params, r.token_type_ids)
-                    for r in batch
-                ]
-            )
-            outputs = [
-                EngineCoreOutput(
-                    request_id=r.request_id,
-                    new_token_ids=[],
-                    finish_reason="stop",
-                    queue_time=max(0.0, now - r.arrival_time),
-                    pooling_output=results[r.request_id],
-                )
+            inputs = [
+                PoolingInput(r.request_id, r.prompt_token_ids, r.pooling_params, r.token_type_ids)
                 for r in batch
             ]
+            queue_times = {r.request_id: max(0.0, now - r.arrival_time) for r in batch}
+            launched = (self.runner.launch(inputs), queue_times)  # raising, it loses this batch only
+            self.num_steps += 1
+        previous, self._in_flight = self._in_flight, launched
+        if previous is None and launched is not None and not self.waiting:
+            previous, self._in_flight = launched, None  # nothing to overlap it with: finish it now
+        outputs = self._finish(*previous) if previous is not None else []
         return EngineCoreOutputs(outputs=outputs, stats=self.get_stats(), timestamp=time.monotonic())
 
+    def _finish(self, step: PooledStep, queue_times: dict[str, float]) -> list[EngineCoreOutput]:
+        """Wait for ``step``; one output per request of it not aborted meanwhile."""
+        return [
+            EngineCoreOutput(
+                request_id=req_id,
+                new_token_ids=[],
+                finish_reason="stop",
+                queue_time=queue_times[req_id],
+                pooling_output=result,
+            )
+            for req_id, result in zip(step.req_ids, step.results())
+            if req_id in queue_times
+        ]
+
     def abort_requests(self, request_ids: list[str]) -> None:
+        """Drop waiting requests; one already on the device finishes there but gives no output."""
         for req_id in request_ids:
             request = self.requests.pop(req_id, None)
             if request is not None:
                 self.waiting.remove(request)
+            elif self._in_flight is not None:
+                self._in_flight[1].pop(req_id, None)
+        if self._in_flight is not None and not self._in_flight[1]:
+            self._in_flight = None  # every request of it aborted: nothing to wait for
 
     def check_awake(self) -> None:
         """A pooling engine never sleeps (``enable_sleep_mode`` is refused for it)."""
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting)
+        return bool(self.waiting) or self._in_flight is not None
 
     def get_stats(self) -> SchedulerStats:
         self.stats.num_waiting_reqs = len(self.waiting)
@@ -128,7 +150,8 @@ class PoolingEngineCore:
         return True
 
     def debug_state(self) -> dict:
-        return {"num_requests": len(self.requests), "num_running": 0, "num_waiting": len(self.waiting)}
+        running = len(self._in_flight[1]) if self._in_flight is not None else 0
+        return {"num_requests": len(self.requests), "num_running": running, "num_waiting": len(self.waiting)}
 
     def reset_prefix_cache(self) -> bool:
         return True
@@ -148,6 +171,7 @@ class PoolingEngineCore:
         self._shut_down = True
         self.waiting = WaitingQueue(self.config.scheduler_config.policy)
         self.requests.clear()
+        self._in_flight = None
         if self._cpu_threads is not None:
             self._cpu_threads.release()
         self.runner.shutdown()

@@ -186,10 +186,13 @@ class XLMRobertaModel(BertModel):
         pad = int(self.config.pad_token_id)
         mask = (input_ids != pad).long()  # [T]
         counts = torch.cumsum(mask, 0)  # [T] running count over the whole step...
-        starts = torch.from_numpy(batch.cu[:-1].astype(np.int64)).to(input_ids.device)  # [num_reqs]
+        starts = batch.cu_device[:-1].long()  # [num_reqs]
         before = torch.where(starts > 0, counts[(starts - 1).clamp_min(0)], torch.zeros_like(starts))
-        lens = torch.from_numpy(np.diff(batch.cu).astype(np.int64)).to(input_ids.device)
-        counts = counts - torch.repeat_interleave(before, lens)  # ... restarted at each request
+        if batch.owner is not None:
+            counts = counts - before[batch.owner]  # ... restarted at each request
+        else:
+            lens = torch.from_numpy(np.diff(batch.cu).astype(np.int64)).to(input_ids.device)
+            counts = counts - torch.repeat_interleave(before, lens)
         return counts * mask + pad
 
 

@@ -14,18 +14,30 @@ from pagedllm.pooling.config import PoolerConfig
 from pagedllm.pooling.params import PoolingParams
 
 
-def pool_hidden(hidden: torch.Tensor, cu: np.ndarray, pooling_type: str) -> torch.Tensor:
-    """``hidden`` [num_tokens, H], ``cu`` [num_reqs + 1] -> [num_reqs, H] (the hidden dtype)."""
-    if pooling_type == "CLS":
-        return hidden[torch.from_numpy(cu[:-1].astype(np.int64)).to(hidden.device)]
-    if pooling_type == "LAST":
-        return hidden[torch.from_numpy(cu[1:].astype(np.int64) - 1).to(hidden.device)]
+def pool_hidden(
+    hidden: torch.Tensor,
+    cu: np.ndarray,
+    pooling_type: str,
+    index: torch.Tensor | None = None,
+    owner: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``hidden`` [num_tokens, H], ``cu`` [num_reqs + 1] -> [num_reqs, H] (the hidden dtype). ``index``: the rows
+    CLS / LAST read (``cu[:-1]`` / ``cu[1:] - 1``), ``owner``: each token's request for MEAN, both already on the
+    device (else made here from ``cu``)."""
+    if pooling_type in ("CLS", "LAST"):
+        if index is None:
+            rows = cu[:-1] if pooling_type == "CLS" else cu[1:] - 1
+            index = torch.from_numpy(rows.astype(np.int64)).to(hidden.device)
+        return hidden[index]
     if pooling_type == "MEAN":
-        lens = torch.from_numpy(np.diff(cu).astype(np.int64)).to(hidden.device)  # [num_reqs]
-        owner = torch.repeat_interleave(torch.arange(len(lens), device=hidden.device), lens)  # [num_tokens]
+        lens = np.diff(cu).astype(np.int64)  # [num_reqs]
+        num_tokens = int(cu[-1])
+        if owner is None:
+            owner = torch.from_numpy(np.repeat(np.arange(len(lens)), lens)).to(hidden.device)  # [num_tokens]
         sums = torch.zeros(len(lens), hidden.shape[1], dtype=torch.float32, device=hidden.device)
-        sums.index_add_(0, owner, hidden[: int(cu[-1])].float())
-        return (sums / lens[:, None]).to(hidden.dtype)
+        sums.index_add_(0, owner, hidden[:num_tokens].float())
+        counts = sums.new_zeros(len(lens)).index_add_(0, owner, sums.new_ones(num_tokens))  # [num_reqs]
+        return (sums / counts[:, None]).to(hidden.dtype)
     raise ValueError(f"unknown pooling type {pooling_type!r}")
 
 
@@ -47,28 +59,28 @@ def check_params(params: PoolingParams, config: PoolerConfig) -> None:
             raise ValueError(f"dimensions must be one of {allowed} for this model, got {params.dimensions}")
 
 
-def finish_pooled_batch(
+def finish_pooled_groups(
     pooled: torch.Tensor, params: list[PoolingParams], config: PoolerConfig
-) -> list[list[float]]:
-    """A step's pooled vectors (``[num_reqs, H]``, on the device) -> each request's result as a list of floats:
-    ``finish_pooled`` row by row, computed once per group of requests that ask the same (task, dimensions,
-    normalize, activation), with one copy to the host per group."""
+) -> list[tuple[list[int], torch.Tensor]]:
+    """A step's pooled vectors (``[num_reqs, H]``, on the device) -> ``(request indices, [n, D] float32 results)``
+    per group of requests that ask the same (task, dimensions, normalize, activation): ``finish_pooled`` once per
+    group, left on the device (the caller copies each group to the host in one transfer)."""
     groups: dict[tuple, list[int]] = {}
     for i, p in enumerate(params):
         groups.setdefault((p.task, p.dimensions, p.normalize, p.activation), []).append(i)
-    out: list[list[float]] = [[] for _ in params]
+    out = []
     for indices in groups.values():
         rows = pooled if len(indices) == len(params) else pooled[indices]
-        values = finish_pooled(rows, params[indices[0]], config).tolist()
-        for i, v in zip(indices, values):
-            out[i] = v
+        out.append((indices, finish_pooled(rows, params[indices[0]], config, to_host=False)))
     return out
 
 
-def finish_pooled(pooled: torch.Tensor, params: PoolingParams, config: PoolerConfig) -> torch.Tensor:
+def finish_pooled(
+    pooled: torch.Tensor, params: PoolingParams, config: PoolerConfig, to_host: bool = True
+) -> torch.Tensor:
     """A request's pooled vector ([H], or [num_labels] logits for a classifier; or ``[n, ...]`` rows of requests
-    with the same params) -> what its task returns, float32 on the host: an embedding (cut to ``dimensions``,
-    normalized), class probabilities, or as is."""
+    with the same params) -> what its task returns, float32 (on the host unless ``to_host`` is False): an
+    embedding (cut to ``dimensions``, normalized), class probabilities, or as is."""
     out = pooled.float()
     task = params.task
     if task == "embed":
@@ -82,4 +94,4 @@ def finish_pooled(pooled: torch.Tensor, params: PoolingParams, config: PoolerCon
             out = torch.sigmoid(out) if out.shape[-1] == 1 else torch.softmax(out, dim=-1)
     elif params.normalize:  # "encode": raw unless asked
         out = torch.nn.functional.normalize(out, dim=-1)
-    return out.cpu()
+    return out.cpu() if to_host else out

@@ -8,6 +8,7 @@ overwrites them.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -19,13 +20,48 @@ from pagedllm.attention.base import AttentionMetadata, get_attention_backend
 from pagedllm.attention.encoder import PoolingBatch
 from pagedllm.config import EngineConfig
 from pagedllm.pooling.params import PoolingParams
-from pagedllm.pooling.pooler import finish_pooled_batch, pool_hidden
+from pagedllm.pooling.pooler import finish_pooled_groups, pool_hidden
 
 logger = logging.getLogger(__name__)
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+class PooledStep:
+    """A step queued on the device: its requests, in order, and where their outputs land on the host."""
+
+    __slots__ = ("req_ids", "_groups", "_event")
+
+    def __init__(
+        self,
+        req_ids: list[str],
+        groups: list[tuple[list[int], torch.Tensor]],
+        event: torch.cuda.Event | None,
+    ) -> None:
+        self.req_ids = req_ids
+        # (request indices, [n, D] float32 host tensor): pinned buffers the device copies into on CUDA
+        self._groups = groups
+        self._event = event  # recorded after the copies (CUDA); None: already done
+
+    def ready(self) -> bool:
+        """Whether the device has finished this step (``results`` would not wait)."""
+        return self._event is None or self._event.query()
+
+    def results(self) -> list[np.ndarray]:
+        """Wait for the step; each request's output as a float32 row, in ``req_ids`` order. The rows of a group
+        share one (pageable) host array: the pinned buffers go back to their pool."""
+        if self._event is not None:
+            self._event.synchronize()
+        out: list[np.ndarray] = [None] * len(self.req_ids)  # type: ignore[list-item]
+        for indices, host in self._groups:
+            values = host.numpy()
+            if self._event is not None:
+                values = values.copy()  # off the pinned buffer
+            for i, row in zip(indices, values):
+                out[i] = row
+        return out
 
 
 @dataclass
@@ -71,7 +107,15 @@ class PoolingRunner:
                 torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)
             ]
 
-    def _decoder_metadata(self, lens: np.ndarray, cu: np.ndarray) -> AttentionMetadata:
+    def _upload(self, array: np.ndarray) -> torch.Tensor:
+        """A host array on the device without waiting for the device: on CUDA through pinned memory with an
+        asynchronous copy (a pageable copy would first wait for the step still running there)."""
+        t = torch.from_numpy(array)
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def _decoder_metadata(self, lens: np.ndarray, cu: np.ndarray, positions: np.ndarray) -> AttentionMetadata:
         """Request i's tokens go to consecutive scratch blocks; its block table lists them in order."""
         bs = self.block_size
         num_blocks = (lens + bs - 1) // bs  # [num_reqs]
@@ -80,9 +124,7 @@ class PoolingRunner:
         block_table = (first_block[:, None] + np.arange(max_blocks)[None, :]).astype(
             np.int32
         )  # [num_reqs, max_blocks]
-        positions = np.arange(int(cu[-1])) - np.repeat(cu[:-1], lens)  # [num_tokens]
         slot_mapping = np.repeat(first_block, lens) * bs + positions  # [num_tokens] consecutive blocks
-        dev = self.device
         qsl_cpu = torch.from_numpy(cu.astype(np.int32))
         seq_lens_cpu = torch.from_numpy(lens.astype(np.int32))
         return AttentionMetadata(
@@ -90,37 +132,72 @@ class PoolingRunner:
             num_tokens=int(cu[-1]),
             max_query_len=int(lens.max()),
             max_seq_len=int(lens.max()),
-            query_start_loc=qsl_cpu.to(dev),
-            seq_lens=seq_lens_cpu.to(dev),
-            block_table=torch.from_numpy(block_table).to(dev),
-            slot_mapping=torch.from_numpy(slot_mapping.astype(np.int64)).to(dev),
+            query_start_loc=self._upload(qsl_cpu.numpy()),
+            seq_lens=self._upload(seq_lens_cpu.numpy()),
+            block_table=self._upload(block_table),
+            slot_mapping=self._upload(slot_mapping.astype(np.int64)),
             query_start_loc_cpu=qsl_cpu,
             seq_lens_cpu=seq_lens_cpu,
         )
 
     @torch.inference_mode()
-    def execute(self, inputs: list[PoolingInput]) -> dict[str, list[float]]:
-        """Run one step; each request's output (float32 values, on the host): an embedding, class probabilities
-        or logits, or the raw pooled hidden state, as its ``params.task`` asks (``pooling/pooler.py``)."""
-        lens = np.array([len(x.token_ids) for x in inputs], dtype=np.int64)  # [num_reqs]
-        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)  # [num_reqs + 1]
-        assert int(cu[-1]) <= self.max_num_tokens, (int(cu[-1]), self.max_num_tokens)
-        dev = self.device
-        input_ids = torch.tensor([t for x in inputs for t in x.token_ids], dtype=torch.long, device=dev)
-        positions = torch.from_numpy(np.arange(int(cu[-1])) - np.repeat(cu[:-1], lens)).to(
-            dev
+    def launch(self, inputs: list[PoolingInput]) -> PooledStep:
+        """Queue one step on the device and return without waiting for it: ``PooledStep.results()`` waits and
+        gives each request's output (float32 values on the host): an embedding, class probabilities or logits,
+        or the raw pooled hidden state, as its ``params.task`` asks (``pooling/pooler.py``). On CUDA nothing
+        here waits for the device, so the host can prepare the next step while this one runs."""
+        lens = np.fromiter(
+            (len(x.token_ids) for x in inputs), dtype=np.int64, count=len(inputs)
+        )  # [num_reqs]
+        cu = np.zeros(len(inputs) + 1, dtype=np.int64)  # [num_reqs + 1]
+        np.cumsum(lens, out=cu[1:])
+        num_tokens = int(cu[-1])
+        assert num_tokens <= self.max_num_tokens, (num_tokens, self.max_num_tokens)
+        ids = np.fromiter(
+            itertools.chain.from_iterable(x.token_ids for x in inputs), dtype=np.int64, count=num_tokens
         )  # [num_tokens]
-        batch = PoolingBatch.build(cu, dev)
+        positions = np.arange(num_tokens) - np.repeat(cu[:-1], lens)  # [num_tokens] position in its request
+        batch = PoolingBatch.build(cu, self.device, upload=self._upload, positions=positions)
         if any(x.token_type_ids is not None for x in inputs):
-            types = [t for x in inputs for t in (x.token_type_ids or [0] * len(x.token_ids))]
-            batch.token_type_ids = torch.tensor(types, dtype=torch.long, device=dev)  # [num_tokens]
+            types = np.fromiter(
+                itertools.chain.from_iterable(x.token_type_ids or [0] * len(x.token_ids) for x in inputs),
+                dtype=np.int64,
+                count=num_tokens,
+            )
+            batch.token_type_ids = self._upload(types)  # [num_tokens]
         if self.kv_caches is not None:
             batch.kv_caches = self.kv_caches
-            batch.attn_metadata = self._decoder_metadata(lens, cu)
-        hidden = self.model(input_ids, positions, batch)  # [num_tokens, hidden_size]
-        pooled = self.model.head(pool_hidden(hidden, cu, self.pooler_config.pooling_type))  # [num_reqs, D]
-        results = finish_pooled_batch(pooled, [x.params for x in inputs], self.pooler_config)
-        return {x.req_id: r for x, r in zip(inputs, results)}
+            batch.attn_metadata = self._decoder_metadata(lens, cu, positions)
+        pooling_type = self.pooler_config.pooling_type
+        if pooling_type == "CLS":
+            pool_index = self._upload(cu[:-1].copy())
+        elif pooling_type == "LAST":
+            pool_index = self._upload(cu[1:] - 1)
+        else:
+            pool_index = None
+        hidden = self.model(self._upload(ids), self._upload(positions), batch)  # [num_tokens, hidden_size]
+        pooled = self.model.head(
+            pool_hidden(hidden, cu, pooling_type, index=pool_index, owner=batch.owner)
+        )  # [num_reqs, D]
+        groups = finish_pooled_groups(pooled, [x.params for x in inputs], self.pooler_config)
+        event = None
+        if self.device.type == "cuda":
+            staged = []
+            for indices, values in groups:
+                host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+                host.copy_(values, non_blocking=True)
+                staged.append((indices, host))
+            groups = staged
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            groups = [(indices, values.cpu()) for indices, values in groups]
+        return PooledStep([x.req_id for x in inputs], groups, event)
+
+    def execute(self, inputs: list[PoolingInput]) -> dict[str, np.ndarray]:
+        """``launch`` and wait: each request's output by id."""
+        step = self.launch(inputs)
+        return dict(zip(step.req_ids, step.results()))
 
     def shutdown(self) -> None:
         self.kv_caches = None
