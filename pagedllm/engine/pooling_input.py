@@ -57,6 +57,16 @@ class PoolingInputProcessor:
             enc = self.tokenizer(text, text_pair, **kwargs)
         return _prompt(text, enc["input_ids"], enc.get("token_type_ids"))
 
+    @staticmethod
+    def plain_text(prompt: Any, params: Any, text_pair: str | None) -> str | None:
+        """The text of a prompt ``tokenize_batch`` tokenizes (a non-empty string or ``{"prompt": str}``, no text
+        pair, with ``PoolingParams``), else None."""
+        if isinstance(prompt, Mapping) and set(prompt) == {"prompt"}:
+            prompt = prompt["prompt"]
+        if text_pair is None and isinstance(prompt, str) and prompt and isinstance(params, PoolingParams):
+            return prompt
+        return None
+
     def tokenize_batch(self, items: list[tuple[Any, Any, str | None]]) -> list[Any]:
         """``items`` (prompt, params, text pair) with each plain text prompt (a non-empty string or
         ``{"prompt": str}``, no text pair) replaced by its ``PoolingPrompt``: one batched tokenizer call per
@@ -65,10 +75,9 @@ class PoolingInputProcessor:
         groups: dict[int | None, list[int]] = {}
         texts: dict[int, str] = {}
         for i, (prompt, params, pair) in enumerate(items):
-            if isinstance(prompt, Mapping) and set(prompt) == {"prompt"}:
-                prompt = prompt["prompt"]
-            if pair is None and isinstance(prompt, str) and prompt and isinstance(params, PoolingParams):
-                texts[i] = prompt
+            text = self.plain_text(prompt, params, pair)
+            if text is not None:
+                texts[i] = text
                 groups.setdefault(self._truncation(params), []).append(i)
         out = [prompt for prompt, _, _ in items]
         for max_length, indices in groups.items():
@@ -125,6 +134,13 @@ class PoolingInputProcessor:
             )
         check_pooling_prompt(len(out.token_ids), self.max_model_len, self.max_num_batched_tokens)
         return out
+
+    def check_params(self, params: Any) -> None:
+        """What ``process`` checks of ``params`` before it tokenizes: ``ValueError`` naming the field."""
+        if not isinstance(params, PoolingParams):
+            raise ValueError(f"pooling_params must be PoolingParams, got {type(params).__name__}")
+        check_params(params, self.config.model_config.pooler_config)
+        self._truncation(params)
 
     def process(
         self,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -510,25 +511,91 @@ class LLM:
     def _run_pooling(
         self, items: list[tuple[Any, PoolingParams, str | None]], use_tqdm: bool
     ) -> list[PoolingRequestOutput]:
-        """Validate every (prompt, params, text pair) first, then queue them all and step until they are done."""
+        """Validate, queue and run every (prompt, params, text pair); the outputs in input order.
+
+        Plain text prompts are tokenized in chunks between engine steps, about a step's worth of tokens at a
+        time and a few steps ahead, so that on a GPU the tokenizer runs while the device works on the steps
+        already queued (instead of the device waiting for every text to be tokenized first). Everything that can
+        be checked without tokenizing (every parameter, every prompt that is not plain text, and the texts of
+        the first chunk) is checked before anything is queued; a later text that turns out too long still
+        raises ``ValueError``, with every request of this call aborted. Python's cyclic garbage collector is
+        paused for the call (a full collection walks every token list and output in memory, several times
+        over a large batch) and resumed after it.
+        """
         self._check_running()
         engine = self.llm_engine
-        now = time.monotonic()
         processor = engine.pooling_processor
-        prompts = processor.tokenize_batch(items) if processor is not None else [p for p, _, _ in items]
-        processed = [
-            engine.process_pooling_request(str(next(self._counter)), p, sp, arrival_time=now, text_pair=pair)
-            for p, (_, sp, pair) in zip(prompts, items)
-        ]
-        added = []
+        now = time.monotonic()
+        req_ids = [str(next(self._counter)) for _ in items]
+        if processor is None:  # a generating model: process_pooling_request says why it cannot
+            engine.process_pooling_request(req_ids[0], items[0][0], items[0][1], now, items[0][2])
+        is_text = [processor.plain_text(*item) is not None for item in items]
+        for params in {id(sp): sp for _, sp, _ in items}.values():
+            processor.check_params(params)
+        processed: dict[int, tuple[Any, Any]] = {
+            i: engine.process_pooling_request(req_ids[i], prompt, sp, arrival_time=now, text_pair=pair)
+            for i, (prompt, sp, pair) in enumerate(items)
+            if not is_text[i]
+        }
+        budget = processor.max_num_batched_tokens or 16384
+        pbar = None
+        if use_tqdm and len(items) > 1:
+            from tqdm.auto import tqdm
+
+            pbar = tqdm(total=len(items), desc="Processed prompts", dynamic_ncols=True)
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        added: list[str] = []
+        done: dict[str, PoolingRequestOutput] = {}
         try:
-            for info, request in processed:
-                engine.add_processed_pooling_request(info, request)
-                added.append(request.request_id)
-            return self._run_engine(added, use_tqdm)
+            num_queued = 0  # items[:num_queued] are queued
+            pending_tokens = 0  # prompt tokens queued and not finished
+            tokenized_texts = tokenized_tokens = 0
+            first = True
+            while num_queued < len(items) or len(done) < len(added):
+                # Keep about three steps of tokens queued: one on the device, one being prepared, one spare.
+                while num_queued < len(items) and (first or pending_tokens < 3 * budget):
+                    avg = tokenized_tokens / tokenized_texts if tokenized_texts else 0
+                    size = 256 if first else max(16, int(budget / max(avg, 1.0)))
+                    chunk = range(num_queued, min(len(items), num_queued + size))
+                    prompts = processor.tokenize_batch([items[i] for i in chunk if is_text[i]])
+                    requests = []
+                    texts = iter(prompts)
+                    for i in chunk:
+                        if is_text[i]:
+                            prompt, sp, pair = items[i]
+                            requests.append(
+                                engine.process_pooling_request(
+                                    req_ids[i], next(texts), sp, arrival_time=now, text_pair=pair
+                                )
+                            )
+                            tokenized_texts += 1
+                            tokenized_tokens += len(requests[-1][1].prompt_token_ids)
+                        else:
+                            requests.append(processed.pop(i))
+                    for info, request in requests:  # the whole chunk checked, then queued
+                        engine.add_processed_pooling_request(info, request)
+                        added.append(request.request_id)
+                        pending_tokens += len(request.prompt_token_ids)
+                    num_queued = chunk.stop
+                    first = False
+                for out in engine.step():
+                    if out.request_id not in done and out.finished:
+                        done[out.request_id] = out
+                        pending_tokens -= len(out.prompt_token_ids)
+                        if pbar is not None:
+                            pbar.update(1)
+                if len(done) < len(added) and not engine.has_unfinished_requests():
+                    raise RuntimeError(f"engine went idle with {len(added) - len(done)} requests unfinished")
         except BaseException:
-            engine.abort_request(added)
+            engine.abort_request([r for r in added if r not in done])
             raise
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+            if pbar is not None:
+                pbar.close()
+        return [done[r] for r in req_ids]
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
