@@ -6,6 +6,7 @@ import gc
 import itertools
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 from typing import Any
 
@@ -163,6 +164,7 @@ class LLM:
         )
         self.llm_engine = LLMEngine(config)
         self._counter = itertools.count()
+        self._pooling_tokenizer_thread: bool | None = None  # None: by device (see _tokenize_in_thread)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -513,14 +515,17 @@ class LLM:
     ) -> list[PoolingRequestOutput]:
         """Validate, queue and run every (prompt, params, text pair); the outputs in input order.
 
-        Plain text prompts are tokenized in chunks between engine steps, about a step's worth of tokens at a
-        time and a few steps ahead, so that on a GPU the tokenizer runs while the device works on the steps
-        already queued (instead of the device waiting for every text to be tokenized first). Everything that can
-        be checked without tokenizing (every parameter, every prompt that is not plain text, and the texts of
-        the first chunk) is checked before anything is queued; a later text that turns out too long still
-        raises ``ValueError``, with every request of this call aborted. Python's cyclic garbage collector is
-        paused for the call (a full collection walks every token list and output in memory, several times
-        over a large batch) and resumed after it.
+        Plain text prompts are tokenized in chunks of about one step's tokens, in input order, kept about three
+        steps ahead of the engine: on a GPU by a helper thread, while this thread queues the chunks already
+        tokenized and steps the engine (a fast tokenizer runs outside the GIL, so tokenizing overlaps both the
+        host's stepping and the device's work, instead of the device waiting for every text to be tokenized
+        first); on the CPU, where the model needs the cores itself, here between steps. Everything that can be checked without
+        tokenizing (every parameter, every prompt that is not plain text, and the texts of the first chunk) is
+        checked before anything is queued; a later text that turns out too long still raises ``ValueError``,
+        with every request of this call aborted. The tokenizer is used by the helper thread only, and the call
+        returns (or raises) only after that thread is done with it. Python's cyclic garbage collector is paused
+        for the call (a full collection walks every token list and output in memory, several times over a
+        large batch) and resumed after it.
         """
         self._check_running()
         engine = self.llm_engine
@@ -538,6 +543,10 @@ class LLM:
             if not is_text[i]
         }
         budget = processor.max_num_batched_tokens or 16384
+
+        def tokenize(chunk: range) -> list[Any]:
+            return processor.tokenize_batch([items[i] for i in chunk if is_text[i]])
+
         pbar = None
         if use_tqdm and len(items) > 1:
             from tqdm.auto import tqdm
@@ -547,55 +556,76 @@ class LLM:
         gc.disable()
         added: list[str] = []
         done: dict[str, PoolingRequestOutput] = {}
+        tokenizer_thread = None
         try:
+            first = range(0, min(len(items), 256))
+            chunks: list[tuple[range, Any]] = [(first, tokenize(first))]
+            avg_len = None  # prompt tokens per text, from the first chunk
             num_queued = 0  # items[:num_queued] are queued
             pending_tokens = 0  # prompt tokens queued and not finished
-            tokenized_texts = tokenized_tokens = 0
-            first = True
-            while num_queued < len(items) or len(done) < len(added):
-                # Keep about three steps of tokens queued: one on the device, one being prepared, one spare.
-                while num_queued < len(items) and (first or pending_tokens < 3 * budget):
-                    avg = tokenized_tokens / tokenized_texts if tokenized_texts else 0
-                    size = 256 if first else max(16, int(budget / max(avg, 1.0)))
-                    chunk = range(num_queued, min(len(items), num_queued + size))
-                    prompts = processor.tokenize_batch([items[i] for i in chunk if is_text[i]])
-                    requests = []
-                    texts = iter(prompts)
-                    for i in chunk:
-                        if is_text[i]:
-                            prompt, sp, pair = items[i]
-                            requests.append(
-                                engine.process_pooling_request(
-                                    req_ids[i], next(texts), sp, arrival_time=now, text_pair=pair
-                                )
-                            )
-                            tokenized_texts += 1
-                            tokenized_tokens += len(requests[-1][1].prompt_token_ids)
-                        else:
-                            requests.append(processed.pop(i))
+            while chunks or len(done) < len(added):
+                # Queue tokenized chunks while fewer than about three steps of tokens wait (one on the device,
+                # one being prepared, one spare); wait for the tokenizer unless a full step is ready to go.
+                while chunks and pending_tokens < 3 * budget:
+                    chunk, result = chunks[0]
+                    if result is None:  # no helper thread: tokenized here, between steps
+                        result = tokenize(chunk)
+                    elif not isinstance(result, list):  # a Future of the helper thread
+                        if not result.done() and pending_tokens >= 2 * budget:
+                            break
+                        result = result.result()
+                    chunks.pop(0)
+                    texts = iter(result)
+                    requests = [
+                        engine.process_pooling_request(
+                            req_ids[i], next(texts), items[i][1], arrival_time=now, text_pair=items[i][2]
+                        )
+                        if is_text[i]
+                        else processed.pop(i)
+                        for i in chunk
+                    ]
                     for info, request in requests:  # the whole chunk checked, then queued
                         engine.add_processed_pooling_request(info, request)
                         added.append(request.request_id)
                         pending_tokens += len(request.prompt_token_ids)
                     num_queued = chunk.stop
-                    first = False
-                for out in engine.step():
-                    if out.request_id not in done and out.finished:
-                        done[out.request_id] = out
-                        pending_tokens -= len(out.prompt_token_ids)
-                        if pbar is not None:
-                            pbar.update(1)
-                if len(done) < len(added) and not engine.has_unfinished_requests():
-                    raise RuntimeError(f"engine went idle with {len(added) - len(done)} requests unfinished")
+                    if avg_len is None and num_queued < len(items):  # the rest, about a step's tokens a chunk
+                        avg_len = max(1.0, pending_tokens / len(chunk))
+                        size = max(16, int(budget / avg_len))
+                        if self._tokenize_in_thread():
+                            tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-tokenize")
+                        for start in range(num_queued, len(items), size):
+                            rest = range(start, min(len(items), start + size))
+                            todo = tokenizer_thread.submit(tokenize, rest) if tokenizer_thread else None
+                            chunks.append((rest, todo))
+                if len(done) < len(added):
+                    for out in engine.step():
+                        if out.request_id not in done and out.finished:
+                            done[out.request_id] = out
+                            pending_tokens -= len(out.prompt_token_ids)
+                            if pbar is not None:
+                                pbar.update(1)
+                    if len(done) < len(added) and not engine.has_unfinished_requests():
+                        unfinished = len(added) - len(done)
+                        raise RuntimeError(f"engine went idle with {unfinished} requests unfinished")
         except BaseException:
             engine.abort_request([r for r in added if r not in done])
             raise
         finally:
+            if tokenizer_thread is not None:
+                tokenizer_thread.shutdown(wait=True, cancel_futures=True)
             if gc_was_enabled:
                 gc.enable()
             if pbar is not None:
                 pbar.close()
         return [done[r] for r in req_ids]
+
+    def _tokenize_in_thread(self) -> bool:
+        """Whether ``_run_pooling`` tokenizes in a helper thread: on an accelerator (its host cores are free
+        while it computes), not on the CPU; ``_pooling_tokenizer_thread`` overrides."""
+        if self._pooling_tokenizer_thread is not None:
+            return self._pooling_tokenizer_thread
+        return self.llm_engine.config.device_config.device.type != "cpu"
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import random
+import threading
 
 import pytest
 import torch
@@ -47,7 +48,15 @@ def _one_request(rid: str, ids: list[int]) -> EngineCoreRequest:
     )
 
 
-def test_many_texts_in_order_and_exact(llm, embedder: str) -> None:
+@pytest.fixture(params=[False, True], ids=["inline", "thread"])
+def tokenizer_thread(llm, request: pytest.FixtureRequest):
+    """Texts after the first chunk tokenized between steps (the CPU's way) or by the helper thread (a GPU's)."""
+    llm._pooling_tokenizer_thread = request.param
+    yield request.param
+    llm._pooling_tokenizer_thread = None
+
+
+def test_many_texts_in_order_and_exact(llm, embedder: str, tokenizer_thread: bool) -> None:
     """More texts than the first tokenized chunk (256), token-id prompts mixed in: each output is its own
     prompt's, equal to sentence-transformers' embedding and to embedding the prompt alone."""
     texts = _texts(700)
@@ -67,7 +76,7 @@ def test_many_texts_in_order_and_exact(llm, embedder: str) -> None:
     assert not llm.llm_engine.has_unfinished_requests()
 
 
-def test_too_long_text_after_the_first_chunk(llm) -> None:
+def test_too_long_text_after_the_first_chunk(llm, tokenizer_thread: bool) -> None:
     """A text found too long only when its chunk is tokenized: ValueError naming the limit, every request of the
     call aborted (those already run included), the engine usable after."""
     texts = _texts(600)
@@ -78,6 +87,7 @@ def test_too_long_text_after_the_first_chunk(llm) -> None:
     assert gc.isenabled() == gc_enabled
     assert not llm.llm_engine.has_unfinished_requests()
     assert llm.llm_engine.engine_core.debug_state()["num_running"] == 0
+    assert not any(t.name.startswith("pagedllm-tokenize") for t in threading.enumerate())
     outs = llm.embed(texts[:3], use_tqdm=False)
     assert [o.prompt for o in outs] == texts[:3]
 
