@@ -8,7 +8,9 @@ arrival with ``scheduling_policy="priority"``): a step takes waiting requests fr
 their prompts fit ``max_num_batched_tokens`` and there are at most ``max_num_seqs`` of them. A pooling request needs its whole prompt
 in one step (its pooled output reads every token's hidden state), so a prompt is never chunked: one longer than
 the token budget (or ``max_model_len``) is refused when added, unless the front-end truncated it
-(``PoolingParams.truncate_prompt_tokens``). Every request finishes in the step that runs it.
+(``PoolingParams.truncate_prompt_tokens``). Every request finishes in the step that runs it; that step's outputs
+come back from the next ``step`` call, which first queues the following batch on the device (one step in flight:
+the host prepares step N + 1 while the device runs step N), or from the same call when nothing else waits.
 """
 
 from __future__ import annotations

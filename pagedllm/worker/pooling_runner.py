@@ -3,7 +3,11 @@
 Encoder models (BERT, XLM-RoBERTa) attend bidirectionally within each request (``attention/encoder.py``).
 Decoder models run their own causal paged attention over scratch caches sized for one step (the token budget
 plus a block of rounding per request): each step writes its keys there and reads them back, and the next step
-overwrites them.
+overwrites them (after this one: the device runs the steps in order on one stream).
+
+``launch`` only queues a step: on CUDA its inputs go up through pinned memory with asynchronous copies, the
+pooled outputs are finished on the device (float32, normalized...) and copied back into pinned buffers behind an
+event, and nothing waits for the device until ``PooledStep.results()``.
 """
 
 from __future__ import annotations
