@@ -2,9 +2,10 @@
 
     python benchmarks/embed_bench.py --shape bge-base|qwen3-embedding-0.6b [--num-texts 20000] [--dtype bfloat16]
 
-On a machine without a GPU, ``--shape bert-tiny --dtype float32 --skip-st`` measures pagedllm's host work for the
-same texts (the model costs little there): the pass's wall time, its number of steps and the calling thread's CPU
-time per step.
+On a machine without a GPU, ``--shape bert-tiny --dtype float32 --skip-st --host-only`` measures pagedllm's host
+work for the same texts: the model is replaced by one that returns zeros at no cost, and the pass prints its wall
+time, its number of steps and the calling thread's CPU time per step and per 1,000 texts (pass
+``--max-num-batched-tokens 16384`` for the step size of an H100/H200, whose default it is).
 
 Writes a sentence-transformers checkpoint of the shape with random weights (bge-base-en-v1.5: BERT-base, CLS pooling,
 normalized; Qwen3-Embedding-0.6B: Qwen3 body, last-token pooling, normalized) and a word-level tokenizer (one token
@@ -196,18 +197,58 @@ def _release() -> None:
         torch.cuda.empty_cache()
 
 
+class _ZeroModel(torch.nn.Module):
+    """A pooling model that costs nothing: zeros for every token (``--host-only``)."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: object) -> torch.Tensor:
+        return torch.zeros(input_ids.shape[0], self.hidden_size, device=input_ids.device)
+
+    def head(self, pooled: torch.Tensor) -> torch.Tensor:
+        return pooled
+
+
 def run_pagedllm(
-    path: Path, texts: list[str], dtype: str, profile: bool, torch_profile: bool = False
+    path: Path,
+    texts: list[str],
+    dtype: str,
+    profile: bool,
+    torch_profile: bool = False,
+    host_only: bool = False,
+    max_num_batched_tokens: int | None = None,
 ) -> tuple[dict, torch.Tensor]:
     from pagedllm import LLM
 
-    with LLM(str(path), runner="pooling", dtype=dtype, max_model_len=512, seed=0) as llm:
+    with LLM(
+        str(path),
+        runner="pooling",
+        dtype=dtype,
+        max_model_len=512,
+        seed=0,
+        max_num_batched_tokens=max_num_batched_tokens,
+    ) as llm:
+        if host_only:
+            runner = llm.llm_engine.engine_core.runner
+            runner.model = _ZeroModel(runner.model.config.hidden_size)
         llm.embed(texts[:256], use_tqdm=False)  # warm-up
         core = llm.llm_engine.engine_core
-        steps_before, thread_cpu = core.num_steps, time.thread_time()
+        step, ran = core.step, []
+
+        def counted_step():  # a step that runs a batch adds its prompt tokens to the core's stats
+            before = core.stats.num_prompt_tokens
+            out = step()
+            ran.append(core.stats.num_prompt_tokens > before)
+            return out
+
+        core.step = counted_step
+        thread_cpu = time.thread_time()
         seconds, outs = _timed(lambda: llm.embed(texts, use_tqdm=False))
         thread_cpu = time.thread_time() - thread_cpu
-        steps = core.num_steps - steps_before
+        core.step = step
+        steps = sum(ran)
         # The calling thread's CPU time: the host work on the critical path (stepping, input and output
         # building), without the tokenizer's own threads; per step and per 1,000 texts.
         print(json.dumps({
@@ -265,7 +306,12 @@ def main() -> None:
         "--torch-profile", action="store_true", help="also print the device time of a profiled pass, by kernel"
     )
     ap.add_argument("--skip-st", action="store_true", help="pagedllm only (no sentence-transformers rows)")
+    ap.add_argument(
+        "--host-only", action="store_true", help="pagedllm's host work only: a model that returns zeros (implies --skip-st)"
+    )
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="pagedllm's token budget per step")
     args = ap.parse_args()
+    args.skip_st = args.skip_st or args.host_only
 
     path = build_checkpoint(args.shape, Path(args.model_dir))
     vocab_words = SHAPES[args.shape]["config"]["vocab_size"] - 4
@@ -276,7 +322,9 @@ def main() -> None:
     t0 = time.perf_counter()
     num_tokens = sum(len(ids) for ids in tokenizer(texts)["input_ids"])
     print(json.dumps({"tokenize_all_seconds": round(time.perf_counter() - t0, 3)}))
-    ours, ours_emb = run_pagedllm(path, texts, args.dtype, args.profile, args.torch_profile)
+    ours, ours_emb = run_pagedllm(
+        path, texts, args.dtype, args.profile, args.torch_profile, args.host_only, args.max_num_batched_tokens
+    )
     rows = {"pagedllm": ours}
     best_st, st_emb = None, None
     if args.skip_st:

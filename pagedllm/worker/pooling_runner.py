@@ -49,10 +49,6 @@ class PooledStep:
         self._groups = groups
         self._event = event  # recorded after the copies (CUDA); None: already done
 
-    def ready(self) -> bool:
-        """Whether the device has finished this step (``results`` would not wait)."""
-        return self._event is None or self._event.query()
-
     def results(self) -> list[np.ndarray]:
         """Wait for the step; each request's output as a float32 row, in ``req_ids`` order. The rows of a group
         share one (pageable) host array: the pinned buffers go back to their pool."""
