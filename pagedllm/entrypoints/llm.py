@@ -546,13 +546,13 @@ class LLM:
         """Validate, queue and run every (prompt, params, text pair); the outputs in input order.
 
         Plain text prompts are tokenized in chunks of about one step's tokens, in input order, kept about three
-        steps ahead of the engine: on a GPU by a helper thread, while this thread queues the chunks already
+        steps ahead of the engine: on a GPU by a tokenizer thread, while this thread queues the chunks already
         tokenized and steps the engine (a fast tokenizer runs outside the GIL, so tokenizing overlaps both the
         host's stepping and the device's work, instead of the device waiting for every text to be tokenized
         first); on the CPU, where the model needs the cores itself, here between steps. Everything that can be checked without
         tokenizing (every parameter, every prompt that is not plain text, and the texts of the first chunk) is
         checked before anything is queued; a later text that turns out too long still raises ``ValueError``,
-        with every request of this call aborted. The tokenizer is used by the helper thread only, and the call
+        with every request of this call aborted. The tokenizer is used by the tokenizer thread only, and the call
         returns (or raises) only after that thread is done with it.
         """
         self._check_running()
@@ -594,9 +594,9 @@ class LLM:
                 # one being prepared, one spare); wait for the tokenizer unless a full step is ready to go.
                 while chunks and pending_tokens < 3 * budget:
                     chunk, result = chunks[0]
-                    if result is None:  # no helper thread: tokenized here, between steps
+                    if result is None:  # no tokenizer thread: tokenized here, between steps
                         result = tokenize(chunk)
-                    elif not isinstance(result, list):  # a Future of the helper thread
+                    elif not isinstance(result, list):  # a Future of the tokenizer thread
                         if not result.done() and pending_tokens >= 2 * budget:
                             break
                         result = result.result()
@@ -645,7 +645,7 @@ class LLM:
         return [done[r] for r in req_ids]
 
     def _tokenize_in_thread(self) -> bool:
-        """Whether ``_run_pooling`` tokenizes in a helper thread: on an accelerator (its host cores are free
+        """Whether ``_run_pooling`` tokenizes in a tokenizer thread: on an accelerator (its host cores are free
         while it computes), not on the CPU; ``_pooling_tokenizer_thread`` overrides."""
         if self._pooling_tokenizer_thread is not None:
             return self._pooling_tokenizer_thread

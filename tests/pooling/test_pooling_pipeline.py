@@ -50,7 +50,7 @@ def _one_request(rid: str, ids: list[int]) -> EngineCoreRequest:
 
 @pytest.fixture(params=[False, True], ids=["inline", "thread"])
 def tokenizer_thread(llm, request: pytest.FixtureRequest):
-    """Texts after the first chunk tokenized between steps (the CPU's way) or by the helper thread (a GPU's)."""
+    """Texts after the first chunk tokenized between steps (the CPU's way) or by the tokenizer thread (a GPU's)."""
     llm._pooling_tokenizer_thread = request.param
     yield request.param
     llm._pooling_tokenizer_thread = None
