@@ -1094,11 +1094,6 @@ def make_engine_config(
         scheduler_config.async_scheduling = False
     if spec is not None:
         spec.check_target(model_config)
-        if scheduler_config.async_scheduling:
-            # Drafts are proposed from the tokens the last step accepted, so the host must know them first.
-            if async_scheduling:
-                logger.warning("async scheduling is not used with speculative decoding: turning it off")
-            scheduler_config.async_scheduling = False
         if spec.method not in ("ngram", "medusa"):  # proposers that write their own KV for the drafts
             scheduler_config.num_lookahead_tokens = spec.num_speculative_tokens
         if spec.method in MTP_METHODS and parallel_config.tensor_parallel_size > 1:

@@ -83,6 +83,9 @@ class Request:
         self.grammar: Any = None
         # Speculative decoding: draft tokens proposed for the next step (the scheduler sends them to be verified).
         self.spec_token_ids: list[int] = []
+        # Speculative decoding under async scheduling: draft slots counted in ``num_computed_tokens`` by steps whose
+        # verification the scheduler has not processed yet (``num_computed_tokens`` less these is what is certain).
+        self.num_reserved_drafts = 0
         max_tokens = sampling_params.max_tokens
         self.max_tokens = max_tokens if max_tokens is not None else 1 << 62
 

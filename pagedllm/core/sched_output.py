@@ -147,6 +147,10 @@ class SchedulerOutput:
     # req_id -> draft tokens to verify this step (speculative decoding). Such a request's scheduled tokens are
     # its last token plus these drafts; the runner returns 1..len(drafts)+1 tokens for it.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Speculative decoding under async scheduling: req_id -> draft slots reserved (scheduled and given blocks)
+    # before the previous step's accepted drafts are known. The engine core fills ``scheduled_spec_decode_tokens``
+    # with at most that many drafts just before the launch, and shrinks ``num_scheduled_tokens`` to match.
+    spec_reserved: dict[str, int] = field(default_factory=dict)
     # The KV connector's KVConnectorMetadata for this step (None without a connector).
     kv_connector_metadata: Any = None
     # Images (multimodal models): req_id -> indices into its mm_features to encode this step, before the forward;

@@ -58,6 +58,7 @@ from pagedllm.core.sched_output import (
     SchedulerStats,
 )
 from pagedllm.multimodal.encoder_cache import EncoderCacheManager
+from pagedllm.worker.input_batch import needs_history
 
 logger = logging.getLogger(__name__)
 
@@ -120,13 +121,15 @@ class Scheduler:
         connector: Any = None,
         encoder_cache_size: int = 0,
         keep_image_spans_whole: bool = False,
+        num_spec_tokens: int = 0,
     ) -> None:
         """``max_loras``: most distinct LoRA adapters among running requests (0: LoRA is off). ``connector``: the
         scheduler side of a KV connector (pagedllm/kv_transfer/base.py), or None. ``encoder_cache_size``: a
         multimodal model's encoder cache, in embedding rows (at least its largest image; 0: text only), which is
         also each step's encoder budget (``_plan_encoder``). ``keep_image_spans_whole``: never end a chunk inside
         an image's placeholders (Gemma 3, whose image tokens attend to each other both ways); the token budget
-        and chunk cap must then hold the largest image (checked by the engine core)."""
+        and chunk cap must then hold the largest image (checked by the engine core). ``num_spec_tokens``: the
+        drafts per request to reserve room for under async scheduling (speculative decoding; 0: none)."""
         if config.max_num_seqs is None or config.max_num_batched_tokens is None:
             raise ValueError("the scheduler needs resolved batch limits: call SchedulerConfig.resolve_defaults")
         self.config = config
@@ -143,6 +146,8 @@ class Scheduler:
         self.num_generation_tokens = 0
         self._runner_num_blocks: dict[str, int] = {}  # block ids the runner already holds, per request
         self.async_scheduling = config.async_scheduling
+        # Async speculative decoding reserves draft slots ahead (see the module docstring); 0: it does not.
+        self.num_spec_tokens = num_spec_tokens if config.async_scheduling else 0
         # Burst knobs: the largest chunk of one request per step (max_model_len when off: never binding), and the
         # mid-prefill limits (0 when max_num_partial_prefills is 1: no limit, no counting).
         self._chunk_cap = config.long_prefill_token_threshold or config.max_model_len
@@ -327,6 +332,7 @@ class Scheduler:
             self.encoder_cache.release_request(request.request_id, request.mm_features)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_reserved_drafts = 0
         request.spec_token_ids = []
         self.waiting.add(request, front=True)
         self.finished_req_ids.add(request.request_id)  # the runner drops it; it comes back as a new request
@@ -397,6 +403,8 @@ class Scheduler:
         max_len = self.config.max_model_len
         scheduled: dict[str, int] = {}  # req_id -> num new tokens, in batch order
         spec_tokens: dict[str, list[int]] = {}  # req_id -> draft tokens scheduled for verification
+        reserved: dict[str, int] = {}  # req_id -> draft slots reserved ahead (async speculative decoding)
+        num_spec_tokens = self.num_spec_tokens
         preempted = False
         encoder_cache = self.encoder_cache
         encoder_inputs: dict[str, list[int]] = {}  # req_id -> its images to encode this step
@@ -423,7 +431,8 @@ class Scheduler:
                 self._requeue(request)  # restarted below, among the waiting requests, in the long regime
                 i = 0  # the running list changed: rescan, skipping requests already visited
                 continue
-            num_computed = request.num_computed_tokens
+            # Certain progress: draft slots of a step still in flight may yet be rejected (async speculation).
+            num_computed = request.num_computed_tokens - request.num_reserved_drafts
             # One call: what it has left, the budget, the chunk cap (max_len when off), room below max_model_len.
             num_new = min(num_total - num_computed, budget, chunk_cap, max_len - num_computed)
             if num_new <= 0:
@@ -451,8 +460,37 @@ class Scheduler:
                     if num_drafts > 0:
                         spec_tokens[request.request_id] = drafts[:num_drafts]
                         num_new += num_drafts
+            num_reserve = 0
+            if (
+                num_spec_tokens
+                and request.num_output_placeholders
+                and num_new == 1
+                and request.grammar is None
+                and not needs_history(request.sampling_params)
+            ):
+                # Async speculation: a decode whose previous step is in flight. Its drafts are proposed at the
+                # launch, once that step's tokens are known; reserve room for as many as the fewest tokens that
+                # step may emit (one) would leave: the launch caps the drafts exactly as the synchronous scheduler.
+                num_reserve = min(
+                    num_spec_tokens,
+                    budget - 1,
+                    chunk_cap - 1,
+                    max_len - num_total - 1,
+                    request.max_tokens - request.num_output_tokens - request.num_output_placeholders - 1,
+                )
+                switch = self.kv.longrope_original_max
+                if switch is not None and not request.rope_long:
+                    num_reserve = min(num_reserve, switch - num_total)
+                num_reserve = max(num_reserve, 0)
+                num_new += num_reserve
+            num_alloc = num_new
+            if request.num_reserved_drafts or num_reserve:
+                # Reserved slots count as computed until their step is processed: no block past max_model_len.
+                num_alloc = max(0, min(num_new, max_len - request.num_computed_tokens))
             lookahead = self._lookahead(request.num_computed_tokens + num_new, num_total) if drafting else 0
-            while not allocate_slots(request, num_new, num_lookahead_tokens=lookahead):
+            while (num_alloc or lookahead) and not allocate_slots(
+                request, num_alloc, num_lookahead_tokens=lookahead
+            ):
                 if self.parked and self._release_parked():
                     continue
                 preempted = True
@@ -462,6 +500,7 @@ class Scheduler:
                     victim.request_id, 0
                 )  # a victim scheduled earlier gives its tokens back
                 spec_tokens.pop(victim.request_id, None)
+                reserved.pop(victim.request_id, None)
                 encoder_inputs.pop(victim.request_id, None)  # (the runner encodes what a sharer then lacks)
                 if victim is request:
                     break
@@ -469,6 +508,8 @@ class Scheduler:
                 spec_tokens.pop(request.request_id, None)
                 continue
             scheduled[request.request_id] = num_new
+            if num_reserve:
+                reserved[request.request_id] = num_reserve
             budget -= num_new
             if request.mm_features and encoder_cache is not None and num_computed < request.num_prompt_tokens:
                 self._commit_encoder(request, num_computed, num_new)
@@ -608,7 +649,12 @@ class Scheduler:
             runner_num_blocks[req_id] = num_blocks
             num_computed_before[req_id] = request.num_computed_tokens
             request.num_computed_tokens += num_new
-            if self.async_scheduling and request.num_computed_tokens == request.num_tokens_with_placeholders:
+            if reserved:
+                request.num_reserved_drafts += reserved.get(req_id, 0)
+            if (
+                self.async_scheduling
+                and request.num_computed_tokens - request.num_reserved_drafts == request.num_tokens_with_placeholders
+            ):
                 request.num_output_placeholders += 1  # this step samples a token the host learns later
         for req_id in self.finished_req_ids:
             if req_id not in scheduled:
@@ -622,6 +668,7 @@ class Scheduler:
             preempted_req_ids=self.preempted_req_ids,
             num_computed_tokens=num_computed_before,
             scheduled_spec_decode_tokens=spec_tokens,
+            spec_reserved=reserved,
         )
         if encoder_cache is not None:
             encoder_cache.end_step()
@@ -640,8 +687,8 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         # Looked up once: this loop runs for every scheduled request, every step.
         requests, sampled = self.requests, result.sampled_token_ids
-        spec_tokens, prompt_logprobs, logprobs = (
-            sched.scheduled_spec_decode_tokens, result.prompt_logprobs, result.logprobs
+        spec_tokens, reserved, prompt_logprobs, logprobs = (
+            sched.scheduled_spec_decode_tokens, sched.spec_reserved, result.prompt_logprobs, result.logprobs
         )
         cache_blocks, async_scheduling, running = self.kv.cache_blocks, self.async_scheduling, RequestStatus.RUNNING
         if self.connector is not None:
@@ -654,13 +701,20 @@ class Scheduler:
             if new_token_ids is None:
                 new_token_ids = []  # its own list: the output below may carry it
             is_running = request.status == running
-            if spec_tokens:
+            if spec_tokens or reserved:
                 drafts = spec_tokens.get(req_id)
-                if drafts and new_token_ids:
-                    # Verification emitted the accepted drafts plus one token: the KV computed for the rejected
-                    # drafts is dropped by counting them as not computed (their slots are rewritten next step).
-                    num_accepted = len(new_token_ids) - 1
+                # Verification emitted the accepted drafts plus one token: the KV computed for the rejected drafts
+                # is dropped by counting them as not computed (their slots are rewritten next step).
+                num_accepted = len(new_token_ids) - 1 if drafts and new_token_ids else 0
+                num_slots = reserved.get(req_id) if reserved else None
+                if num_slots is not None:
+                    # Async: the step counted its reserved slots, of which the launch filled num_drafts or fewer.
+                    if is_running:  # (a preempted request restarts from nothing computed)
+                        request.num_computed_tokens -= num_slots - num_accepted
+                        request.num_reserved_drafts -= num_slots
+                elif drafts and new_token_ids:
                     request.num_computed_tokens -= len(drafts) - num_accepted
+                if drafts and new_token_ids:
                     self._count_spec(len(drafts), num_accepted)
             if is_running:
                 cache_blocks(request)  # and frees the blocks its sliding windows left behind
@@ -669,8 +723,8 @@ class Scheduler:
             elif not new_token_ids:
                 continue
             # else: preempted after this (async) step was scheduled; the token it sampled is still valid.
-            if async_scheduling:
-                request.num_output_placeholders -= len(new_token_ids)
+            if async_scheduling and new_token_ids:
+                request.num_output_placeholders -= 1  # one per sampling step, however many tokens it emitted
             prompt_lp = prompt_logprobs.get(req_id) if prompt_logprobs else None
             if prompt_lp is not None:
                 first_pos = sched.num_computed_tokens[req_id] + 1

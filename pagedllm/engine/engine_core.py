@@ -20,6 +20,7 @@ from pagedllm.core.sched_output import EngineCoreOutputs, EngineCoreRequest, Sch
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.kernels import compile_watch
 from pagedllm.layers.rotary import longrope_original_max
+from pagedllm.spec_decode.proposer import DraftView, num_drafts_allowed
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.worker.cpu_threads import CpuThreadGovernor, apply_user_thread_setting
 from pagedllm.worker.model_runner import ModelRunner, StepInFlight
@@ -85,7 +86,6 @@ class EngineCore:
         if config.speculative_config is not None:
             from pagedllm.spec_decode.proposer import make_proposer
 
-            assert not config.scheduler_config.async_scheduling, "speculative decoding runs synchronously"
             # A draft model loads here, before the memory profile.
             self.proposer = make_proposer(config, self.runner)
         t_load = time.perf_counter()
@@ -137,6 +137,7 @@ class EngineCore:
             connector=self._make_kv_connectors(),
             encoder_cache_size=self._encoder_cache_size(),
             keep_image_spans_whole=self._keep_image_spans_whole(),
+            num_spec_tokens=0 if self.proposer is None else config.speculative_config.num_speculative_tokens,
         )
         self._lora_paths: dict[int, str] = {}  # lora_int_id -> path, for good: ids key prefix-cache hashes
         self.async_scheduling = config.scheduler_config.async_scheduling
@@ -405,6 +406,8 @@ class EngineCore:
             self._complete_sample()
             if sched.total_num_scheduled_tokens == 0:
                 self._wait_when_idle()
+            if self.proposer is not None:
+                self._propose_ahead(sched)
             step = self.runner.launch(sched)
             sample_later = self.scheduler.num_grammar_reqs > 0 and bool(step.sample_req_ids)
             if not sample_later:
@@ -426,6 +429,52 @@ class EngineCore:
                 self._pending_sample = (launched[1], self.structured.grammar_bitmask_async(states))
         self._drain_if_idle()
         return self._finish_outputs(outputs)
+
+    def _propose_ahead(self, sched: SchedulerOutput) -> None:
+        """Async speculative decoding, just before ``sched`` launches: wait for the tokens of the step in flight
+        (the loop's one wait), move each of ``sched``'s requests back over the drafts that step rejected, run the
+        proposer over that step as the synchronous loop does after it, and put the drafts into the slots the
+        scheduler reserved (no more than the synchronous scheduler would send; unused slots are dropped)."""
+        if self._in_flight is None:
+            return
+        prev_sched, prev_step = self._in_flight
+        result = self.runner.collect(prev_step)
+        sampled = result.sampled_token_ids
+        num_computed = sched.num_computed_tokens
+        for req_id, num_slots in prev_sched.spec_reserved.items():
+            if req_id in num_computed:  # counted with all its slots kept; the rejected ones are not computed
+                emitted = sampled.get(req_id)
+                num_computed[req_id] -= num_slots - (len(emitted) - 1 if emitted else 0)
+        scheduler = self.scheduler
+        batch = self.runner.input_batch
+        reserved = sched.spec_reserved
+        views: dict[str, DraftView] = {}
+        for req_id in prev_step.req_ids:
+            request = scheduler.requests.get(req_id)
+            row = batch.req_id_to_row.get(req_id)
+            if request is None or row is None or request.status != RequestStatus.RUNNING:
+                continue  # finished, aborted or preempted: as absent from the synchronous loop's running list
+            tokens = batch.token_ids_np[row, : batch.num_tokens_np[row]]
+            views[req_id] = DraftView(request, tokens, len(tokens) - request.num_tokens, reserved.get(req_id, 0))
+        self.proposer.propose(list(views.values()), prev_sched, prev_step, result)
+        if not reserved:
+            return
+        k = self.config.speculative_config.num_speculative_tokens
+        max_len = self.config.model_config.max_model_len
+        switch = self.kv_cache_manager.longrope_original_max
+        spec, num_sched = sched.scheduled_spec_decode_tokens, sched.num_scheduled_tokens
+        for req_id, num_slots in reserved.items():
+            view = views.get(req_id)
+            drafts = [] if view is None else view.spec_token_ids
+            if drafts:
+                n = num_drafts_allowed(view, k, max_len)
+                if switch is not None and not scheduler.requests[req_id].rope_long:  # no short-regime query past it
+                    n = min(n, switch - view.num_tokens)
+                drafts = list(drafts[: max(n, 0)])
+            if drafts:
+                spec[req_id] = drafts
+            num_sched[req_id] = 1 + len(drafts)
+            sched.total_num_scheduled_tokens -= num_slots - len(drafts)
 
     def _finish_outputs(self, outputs: EngineCoreOutputs) -> EngineCoreOutputs:
         if self.scheduler.early_outputs:

@@ -178,7 +178,7 @@ class DraftModelProposer:
             new.append(
                 NewRequestData(
                     req_id=req_id,
-                    token_ids=list(request.all_token_ids),
+                    token_ids=np.asarray(request.all_token_ids).tolist(),
                     num_prompt_tokens=request.num_prompt_tokens,
                     sampling_params=_GREEDY,
                     block_ids=(block_ids,),

@@ -9,6 +9,11 @@ speculates while the grammar constrains it (not while a reasoning parser holds t
 output manager fills one mask per draft position by walking the matcher through the drafts and rolling it back
 (``StructuredOutputManager.grammar_bitmask_spec``), so a draft the grammar forbids has probability 0 and is
 rejected.
+
+Under async scheduling the next step is scheduled before this one's tokens are known: the scheduler reserves room
+for drafts, and the engine core calls ``propose`` just before the launch, once the previous step's tokens are in,
+with ``DraftView``s of the requests (the scheduler's ``Request`` objects learn those tokens only after the launch).
+A request with a grammar gets no drafts then.
 """
 
 from __future__ import annotations
@@ -26,9 +31,42 @@ from pagedllm.spec_decode.ngram import NgramProposer
 from pagedllm.worker.input_batch import needs_history
 
 
-def can_speculate(request: Request) -> bool:
+class DraftView:
+    """A running request as a proposer sees it under async scheduling, between the previous step's sampling and
+    the next step's launch: its tokens as the runner's persistent batch holds them (the previous step's included),
+    and ``max_drafts``, the draft slots the scheduler reserved for it in the next step (0: it may not speculate)."""
+
+    __slots__ = (
+        "request_id",
+        "all_token_ids",
+        "num_prompt_tokens",
+        "num_output_tokens",
+        "max_tokens",
+        "max_drafts",
+        "spec_token_ids",
+    )
+
+    def __init__(self, request: Request, token_ids: np.ndarray, num_new: int, max_drafts: int) -> None:
+        """``token_ids``: [num_tokens] the request's known tokens (a view of the batch row); ``num_new``: how many
+        of them the scheduler has not appended yet."""
+        self.request_id = request.request_id
+        self.all_token_ids = token_ids
+        self.num_prompt_tokens = request.num_prompt_tokens
+        self.num_output_tokens = request.num_output_tokens + num_new
+        self.max_tokens = request.max_tokens
+        self.max_drafts = max_drafts
+        self.spec_token_ids: list[int] = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+
+def can_speculate(request: Request | DraftView) -> bool:
     """Whether ``request`` may get drafts: decoding (one token behind), no history-dependent sampling, and no
-    grammar or one that constrains the next token now."""
+    grammar or one that constrains the next token now (a ``DraftView``: the scheduler reserved it slots)."""
+    if isinstance(request, DraftView):
+        return request.max_drafts > 0
     return (
         request.status == RequestStatus.RUNNING
         and request.num_computed_tokens == request.num_tokens - 1
@@ -37,10 +75,11 @@ def can_speculate(request: Request) -> bool:
     )
 
 
-def num_drafts_allowed(request: Request, k: int, max_model_len: int) -> int:
+def num_drafts_allowed(request: Request | DraftView, k: int, max_model_len: int) -> int:
     """How many of ``k`` drafts ``request`` may get: the verification step emits one token more than it accepts,
-    and neither max_model_len nor max_tokens may be passed (<= 0: none)."""
-    return min(k, max_model_len - request.num_tokens - 1, request.max_tokens - request.num_output_tokens - 1)
+    and neither max_model_len nor max_tokens may be passed, nor a ``DraftView``'s reserved slots (<= 0: none)."""
+    n = min(k, max_model_len - request.num_tokens - 1, request.max_tokens - request.num_output_tokens - 1)
+    return min(n, request.max_drafts) if isinstance(request, DraftView) else n
 
 
 def kept_positions(req_id: str, sched: SchedulerOutput, result: ModelRunnerOutput) -> tuple[int, int]:
@@ -62,14 +101,15 @@ class Proposer(Protocol):
 
     def propose(
         self,
-        requests: Sequence[Request],
+        requests: Sequence[Request | DraftView],
         sched: SchedulerOutput | None = None,
         step: Any = None,
         result: ModelRunnerOutput | None = None,
     ) -> None:
         """Set ``spec_token_ids`` of each request in ``requests`` that can speculate (called after every step
-        with the running requests; a request missing from ``requests`` is finished or preempted). ``sched``,
-        ``step`` (the runner's ``StepInFlight``) and ``result`` describe the step just finished."""
+        with the running requests; a request missing from ``requests`` is finished or preempted; under async
+        scheduling, ``DraftView``s before the next launch). ``sched``, ``step`` (the runner's ``StepInFlight``)
+        and ``result`` describe the step just finished."""
 
 
 class NgramSpecProposer:
@@ -80,7 +120,7 @@ class NgramSpecProposer:
             config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
         )
 
-    def propose(self, requests: Sequence[Request], *step_info: Any) -> None:
+    def propose(self, requests: Sequence[Request | DraftView], *step_info: Any) -> None:
         for request in requests:
             if can_speculate(request):
                 request.spec_token_ids = self.ngram.propose(np.asarray(request.all_token_ids)).tolist()

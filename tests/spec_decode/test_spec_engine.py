@@ -281,7 +281,7 @@ def test_draft_with_another_vocabulary_is_refused(tiny_llama, tmp_path):
         make_llm(tiny_llama, spec={"model": str(tmp_path), "num_speculative_tokens": 2})
 
 
-def test_cli_flag_and_async_scheduling_turned_off(tiny_llama):
+def test_cli_flag_and_async_scheduling_kept_on(tiny_llama):
     import argparse
 
     parser = argparse.ArgumentParser()
@@ -296,7 +296,7 @@ def test_cli_flag_and_async_scheduling_turned_off(tiny_llama):
     llm = make_llm(tiny_llama, spec=kw["speculative_config"], async_scheduling=True)
     config = llm.llm_engine.engine_core.config
     assert config.speculative_config.prompt_lookup_min == config.speculative_config.prompt_lookup_max == 5
-    assert not config.scheduler_config.async_scheduling
+    assert config.scheduler_config.async_scheduling  # speculation runs with async scheduling too
 
 
 def test_metrics_and_summary_line():
