@@ -136,7 +136,9 @@ def main(args: argparse.Namespace) -> int:
         f"{out_tok_s:.1f} output tokens/s (batch {args.batch_size}, {args.input_len} in / {args.output_len} out)"
     )
     spec = None
+    async_scheduling = None if llm is None else llm.llm_engine.engine_core.config.scheduler_config.async_scheduling
     if llm is not None:
+        print(f"Scheduling: {'async' if async_scheduling else 'synchronous'}")  # what the engine ran (A/B runs)
         from pagedllm.metrics import spec_decode_summary
 
         spec = spec_decode_summary(llm.llm_engine.get_stats(), stats_before)
@@ -154,6 +156,7 @@ def main(args: argparse.Namespace) -> int:
                 {
                     "backend": args.backend,
                     "spec_decode": spec,
+                    "async_scheduling": async_scheduling,
                     "avg_latency_s": float(lat.mean()),
                     "latencies_s": latencies,
                     "percentiles_s": {str(p): float(np.percentile(lat, p)) for p in (10, 25, 50, 75, 90, 99)},

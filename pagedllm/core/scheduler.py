@@ -31,7 +31,11 @@ evenly among the prefills of a step; here the chunk size is T's alone.
 Speculative decoding: a decoding request with draft tokens (``Request.spec_token_ids``, set by the proposer after
 the previous step) is scheduled its last token plus the drafts, with blocks for all of them. The runner verifies
 them and returns the accepted drafts plus one token; ``update_from_output`` rolls ``num_computed_tokens`` back
-over the rejected drafts, so their KV slots are simply rewritten later (the blocks stay the request's).
+over the rejected drafts, so their KV slots are simply rewritten later (the blocks stay the request's). Under async
+scheduling the drafts are not known when the next step is scheduled: a decode whose previous step is in flight gets
+reserved draft slots (``SchedulerOutput.spec_reserved``, counted in ``num_computed_tokens`` and in
+``Request.num_reserved_drafts`` until processed), which the engine core fills, or drops, at the launch;
+``update_from_output`` takes back each step's reserved slots less its accepted drafts.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from pagedllm.config import SchedulerConfig
@@ -826,6 +830,22 @@ class Scheduler:
             )
         request.num_prompt_logprobs_sent = first_pos + n - 1
         return rows
+
+    def stops_within(self, request: Request, token_ids: Sequence[int]) -> bool:
+        """Whether appending ``token_ids`` (a step's tokens, not processed yet) finishes ``request`` by a stop token,
+        max_tokens or max_model_len, as ``update_from_output`` will find (a grammar's end aside); changes nothing."""
+        params = request.sampling_params
+        num_output, num_tokens = request.num_output_tokens, request.num_tokens
+        for token_id in token_ids:
+            num_output += 1
+            num_tokens += 1
+            if num_output >= params.min_tokens and (
+                (not params.ignore_eos and token_id == request.eos_token_id) or token_id in params.stop_token_ids
+            ):
+                return True
+            if num_output >= request.max_tokens or num_tokens >= self.config.max_model_len:
+                return True
+        return False
 
     def _check_stop(self, request: Request, token_id: int) -> bool:
         params = request.sampling_params

@@ -178,7 +178,7 @@ def _worker_main(
                 step = runner.launch(sched)
                 if samples:
                     _sample_for_rank0(runner, step, link, rank)
-                elif config.scheduler_config.async_scheduling:
+                elif _device_side_tokens(config):
                     runner.skip_sample(step)
                     if last is not None:
                         runner.collect(last)  # its tokens into the host batch (the step launched above runs on)
@@ -235,6 +235,12 @@ def _rpc_outcome(worker: Any, method: Any, args: Any, kwargs: dict) -> tuple[boo
         return True, result
     except Exception as e:  # noqa: BLE001 - reported to rank 0
         return False, (type(e).__name__, str(e))
+
+
+def _device_side_tokens(config: EngineConfig) -> bool:
+    """Whether rank 0 sends each step's sampled tokens to the workers on the device, for a launch that feeds
+    them there (async scheduling without speculative decoding); otherwise they ride the next launch message."""
+    return config.scheduler_config.async_scheduling and config.speculative_config is None
 
 
 def _count(tokens: torch.Tensor | None) -> int:
@@ -412,10 +418,13 @@ class MultiprocRunner:
             raise
         self._sampled: dict[str, list[int]] = {}  # rank 0's last collected tokens, for the workers
         # Async scheduling (TP alone): the workers get each step's sampled tokens on the device instead, broadcast
-        # over the TP group right after the next message; ``_to_send`` holds them until then.
+        # over the TP group right after the next message; ``_to_send`` holds them until then. Not with speculative
+        # decoding: the engine core collects each step before the next launch (its drafts need the tokens), so the
+        # emitted tokens go with the launch message as in synchronous scheduling.
         self._tp = tp
-        self._async = config.scheduler_config.async_scheduling and pp.size == 1
+        self._async = _device_side_tokens(config) and pp.size == 1
         self._to_send: torch.Tensor | None = None
+        self._last_forwarded = -1  # the latest step whose collected tokens went into ``_sampled``
         self._stopped = False
         self._num_open = 0  # calls every rank joins that have not returned (see _collective)
         self._size = size
@@ -579,6 +588,9 @@ class MultiprocRunner:
     def collect(self, step: Any) -> Any:
         if self._link is None:
             out = self.runner.collect(step)
+            if step.step_id <= self._last_forwarded:
+                return out  # collected before: its tokens are already on their way to the workers
+            self._last_forwarded = step.step_id
         elif step is self._uncollected:
             self.sample(step)  # no-op unless the engine skipped sample()
             msg: list[Any] = [None]

@@ -439,30 +439,39 @@ class EngineCore:
             return
         prev_sched, prev_step = self._in_flight
         result = self.runner.collect(prev_step)
-        sampled = result.sampled_token_ids
-        num_computed = sched.num_computed_tokens
-        for req_id, num_slots in prev_sched.spec_reserved.items():
-            if req_id in num_computed:  # counted with all its slots kept; the rejected ones are not computed
-                emitted = sampled.get(req_id)
-                num_computed[req_id] -= num_slots - (len(emitted) - 1 if emitted else 0)
         scheduler = self.scheduler
         batch = self.runner.input_batch
+        sampled = result.sampled_token_ids
         reserved = sched.spec_reserved
+        num_computed, num_sched = sched.num_computed_tokens, sched.num_scheduled_tokens
         views: dict[str, DraftView] = {}
         for req_id in prev_step.req_ids:
             request = scheduler.requests.get(req_id)
             row = batch.req_id_to_row.get(req_id)
             if request is None or row is None or request.status != RequestStatus.RUNNING:
                 continue  # finished, aborted or preempted: as absent from the synchronous loop's running list
+            emitted = sampled.get(req_id)
+            if emitted and scheduler.stops_within(request, emitted):
+                # It finishes with that step's output (the synchronous loop would not schedule it again): nothing
+                # to compute or propose for it (and a row at max_model_len has no room for another token).
+                if req_id in num_sched:
+                    sched.total_num_scheduled_tokens -= num_sched.pop(req_id)
+                    del num_computed[req_id]
+                    reserved.pop(req_id, None)
+                continue
             tokens = batch.token_ids_np[row, : batch.num_tokens_np[row]]
             views[req_id] = DraftView(request, tokens, len(tokens) - request.num_tokens, reserved.get(req_id, 0))
+        for req_id, num_slots in prev_sched.spec_reserved.items():
+            if req_id in num_sched:  # counted with all its slots kept: the rejected drafts are not computed
+                emitted = sampled.get(req_id)
+                num_computed[req_id] -= num_slots - (len(emitted) - 1 if emitted else 0)
         self.proposer.propose(list(views.values()), prev_sched, prev_step, result)
         if not reserved:
             return
         k = self.config.speculative_config.num_speculative_tokens
         max_len = self.config.model_config.max_model_len
         switch = self.kv_cache_manager.longrope_original_max
-        spec, num_sched = sched.scheduled_spec_decode_tokens, sched.num_scheduled_tokens
+        spec = sched.scheduled_spec_decode_tokens
         for req_id, num_slots in reserved.items():
             view = views.get(req_id)
             drafts = [] if view is None else view.spec_token_ids

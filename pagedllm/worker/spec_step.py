@@ -1,7 +1,7 @@
 """A speculative-decoding verification step's sampling and collection (``ModelRunner.sample`` / ``collect`` hand
 such a step here): rejection sampling of each request's drafts against the target's logits, then the emitted
-tokens (accepted drafts plus one) written into the persistent batch. Speculative decoding runs with synchronous
-scheduling, so the batch learns a step's tokens before the next launch.
+tokens (accepted drafts plus one) written into the persistent batch. The batch learns a step's tokens before the
+next launch: with async scheduling too, the engine core collects the step first (its drafts need them).
 """
 
 from __future__ import annotations

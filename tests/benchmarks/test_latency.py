@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
@@ -31,8 +32,10 @@ def test_text_prompts_are_spread_windows_of_the_files(tmp_path):
         text_prompts([str(tmp_path / "missing.py")], tok, batch_size=1, input_len=4)
 
 
-def test_bench_latency_with_text_prompts_and_ngram(tmp_path, capsys):
-    """End to end on CPU: text prompts that repeat themselves give n-gram drafts something to accept."""
+@pytest.mark.parametrize("scheduling", ["--async-scheduling", "--no-async-scheduling"])
+def test_bench_latency_with_text_prompts_and_ngram(tmp_path, capsys, scheduling):
+    """End to end on CPU: text prompts that repeat themselves give n-gram drafts something to accept; speculation
+    runs with either scheduling mode (the switch for A/B runs), and the output says which."""
     (tmp_path / "text.py").write_text("for i in range(3):\n    print(i)\n" * 30)
     p = argparse.ArgumentParser()
     add_cli_args(p)
@@ -40,9 +43,13 @@ def test_bench_latency_with_text_prompts_and_ngram(tmp_path, capsys):
         ["--model", "pagedllm/demo_model/draft", "--device", "cpu", "--dtype", "float32",
          "--batch-size", "2", "--input-len", "32", "--output-len", "8", "--num-iters-warmup", "0",
          "--num-iters", "1", "--prompts-from", str(tmp_path / "text.py"), "--speculative-config",
-         '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3, "prompt_lookup_min": 2}']
+         '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3, "prompt_lookup_min": 2}',
+         scheduling, "--output-json", str(tmp_path / "out.json")]
     )  # fmt: skip
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "Latency (pagedllm)" in out and "(batch 2, 32 in / 8 out)" in out
     assert "Mean acceptance length" in out
+    on = scheduling == "--async-scheduling"
+    assert f"Scheduling: {'async' if on else 'synchronous'}" in out
+    assert json.loads((tmp_path / "out.json").read_text())["async_scheduling"] is on
