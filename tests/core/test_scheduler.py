@@ -232,3 +232,72 @@ def test_random_runs_keep_pool_invariants():
             s.check_integrity()
         assert not s.has_unfinished_requests()
         assert s.kv.num_free_blocks == s.kv.pool.num_blocks
+
+
+def make_async_spec_scheduler(k=3, **kw):
+    s = make_scheduler(**kw)
+    s.config.async_scheduling = True
+    return Scheduler(s.config, s.kv, num_spec_tokens=k)
+
+
+def test_async_speculation_reserves_draft_slots_and_rolls_them_back():
+    """Async speculative decoding: the step scheduled while the previous one is in flight reserves draft slots
+    (counted as computed until processed); the launch fills fewer; processing the steps in order takes back the
+    reserved slots less the accepted drafts, leaving the synchronous scheduler's counts."""
+    s = make_async_spec_scheduler(k=3)
+    r = make_request("a", 5, max_tokens=20)
+    s.add_request(r)
+    first = s.schedule()  # the prompt; it samples a token the host learns later
+    assert first.num_scheduled_tokens == {"a": 5} and not first.spec_reserved
+    assert r.num_output_placeholders == 1
+    second = s.schedule()  # before the first is processed: a decode with 3 draft slots reserved
+    assert second.num_scheduled_tokens == {"a": 4} and second.spec_reserved == {"a": 3}
+    assert r.num_computed_tokens == 9 and r.num_reserved_drafts == 3 and r.num_output_placeholders == 2
+    assert second.num_computed_tokens == {"a": 5}
+    # The launch proposes 2 drafts (the engine core shrinks the step to its last token plus those).
+    second.scheduled_spec_decode_tokens["a"] = [11, 12]
+    second.num_scheduled_tokens["a"] = 3
+    s.update_from_output(first, ModelRunnerOutput(sampled_token_ids={"a": [10]}))
+    assert r.num_tokens == 6 and r.num_computed_tokens == 9 and r.num_output_placeholders == 1
+    third = s.schedule()  # the second is in flight: again one certain token and 3 reserved slots
+    assert third.num_scheduled_tokens == {"a": 4} and third.spec_reserved == {"a": 3}
+    assert r.num_reserved_drafts == 6 and r.num_computed_tokens == 13
+    s.update_from_output(second, ModelRunnerOutput(sampled_token_ids={"a": [11, 13]}))  # one draft accepted
+    assert r.num_tokens == 8 and r.num_reserved_drafts == 3
+    assert r.num_computed_tokens - r.num_reserved_drafts == 8  # positions 0..7: the third computes position 7
+    stats = s.make_stats()
+    assert (stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens) == (1, 2, 1)
+    s.update_from_output(third, ModelRunnerOutput(sampled_token_ids={"a": [14]}))  # no drafts filled
+    assert r.num_tokens == 9 and r.num_computed_tokens == 8 and r.num_reserved_drafts == 0
+    assert r.num_output_placeholders == 0
+    assert s.make_stats().spec_num_drafts == 1
+    s.check_integrity()
+
+
+def test_async_speculation_reserves_within_limits_and_preemption_resets():
+    """Reserved slots assume the step in flight emits one token: no more than max_tokens or max_model_len leave
+    then; penalties reserve none; a preempted request restarts with nothing reserved and no rollback."""
+    s = make_async_spec_scheduler(k=3, max_len=12)
+    short = make_request("short", 4, max_tokens=3)
+    near = make_request("near", 8, max_tokens=20)
+    penalized = make_request("pen", 4, max_tokens=20, repetition_penalty=1.2)
+    for r in (short, near, penalized):
+        s.add_request(r)
+    first = s.schedule()
+    second = s.schedule()
+    # short: 3 - (0 + 1) - 1 = 1 draft; near: 12 - 9 - 1 = 2 drafts; the penalized request: none.
+    assert second.spec_reserved == {"short": 1, "near": 2}
+    assert second.num_scheduled_tokens == {"short": 2, "near": 3, "pen": 1}
+    s.update_from_output(first, ModelRunnerOutput(sampled_token_ids={"short": [1], "near": [1], "pen": [1]}))
+    s._preempt_one()  # the latest admitted: pen (no reservation)
+    s._requeue(near)
+    assert near.num_computed_tokens == 0 and near.num_reserved_drafts == 0
+    s.update_from_output(second, ModelRunnerOutput(sampled_token_ids={"short": [2], "near": [2], "pen": [2]}))
+    assert near.num_computed_tokens == 0 and near.num_tokens == 10 and near.num_output_placeholders == 0
+    assert short.num_computed_tokens == 5 and short.num_reserved_drafts == 0
+    for _ in range(20):
+        if not s.has_unfinished_requests():
+            break
+        step(s)
+        s.check_integrity()
+    assert not s.has_unfinished_requests() and s.kv.num_free_blocks == s.kv.pool.num_blocks

@@ -212,13 +212,23 @@ def test_async_aborts_and_rejections_leak_no_blocks(tiny_model_dirs, tiny_llama,
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", {"prompt_token_ids": p}, sp)
     steps = 0
+    k, bs = core.config.speculative_config.num_speculative_tokens, core.kv_cache_manager.block_size
+    reserved_seen = 0
     while engine.has_unfinished_requests():
         engine.step()
         core.check_integrity()
+        for r in core.scheduler.running:
+            # What is certain never runs ahead of the known tokens, and the blocks held cover at most the known
+            # tokens, two steps of reserved drafts and the lookahead.
+            assert 0 <= r.num_reserved_drafts <= k
+            assert r.num_computed_tokens - r.num_reserved_drafts <= r.num_tokens
+            assert core.kv_cache_manager.num_blocks_of(r.request_id) <= -(-min(r.num_tokens + 3 * k, 96) // bs)
+            reserved_seen += r.num_reserved_drafts
         steps += 1
         if steps in (3, 7, 12):
             engine.abort_request([f"r{steps % len(prompts)}", f"r{(steps + 5) % len(prompts)}"])
     assert core.on_idle() and core.num_integrity_failures == 0
+    assert reserved_seen > 0
     s = stats(llm)
     assert s.spec_num_draft_tokens > s.spec_num_accepted_tokens  # rejections happened
     assert s.num_preemptions > 0
