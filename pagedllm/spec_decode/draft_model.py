@@ -82,6 +82,8 @@ def draft_engine_config(config: EngineConfig) -> EngineConfig:
 class DraftModelProposer:
     """Proposes ``num_speculative_tokens`` greedy drafts per decoding request with a draft model."""
 
+    reads_every_step = False  # it catches up from the request's tokens whenever it drafts
+
     def __init__(self, config: EngineConfig) -> None:
         from pagedllm.worker.model_runner import ModelRunner
 

@@ -42,6 +42,8 @@ def _cdiv(a: int, b: int) -> int:
 
 
 class EagleProposer:
+    reads_every_step = True  # its head's KV cache follows every step's tokens
+
     def __init__(self, config: EngineConfig, runner: Any) -> None:
         from pagedllm.model_loader import (
             _default_dtype,

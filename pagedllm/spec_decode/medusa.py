@@ -29,6 +29,8 @@ from pagedllm.spec_decode.proposer import can_speculate, kept_positions, num_dra
 
 
 class MedusaProposer:
+    reads_every_step = False  # only the last step's hidden state of a request that drafts
+
     def __init__(self, config: EngineConfig, runner: Any) -> None:
         from pagedllm.model_loader import (
             _default_dtype,

@@ -93,6 +93,10 @@ def kept_positions(req_id: str, sched: SchedulerOutput, result: ModelRunnerOutpu
 
 
 class Proposer(Protocol):
+    # Whether ``propose`` must see every step (an EAGLE or MTP head catches its KV cache up over each step's
+    # tokens); otherwise async scheduling calls it only when a request may get drafts.
+    reads_every_step: bool
+
     def kv_block_bytes(self) -> int:
         """Bytes the proposer's own KV cache needs per block of the target's (0: it has none)."""
 
@@ -114,6 +118,8 @@ class Proposer(Protocol):
 
 class NgramSpecProposer:
     """vLLM's ``method="ngram"``: prompt lookup over each request's own tokens (host, numpy)."""
+
+    reads_every_step = False
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.ngram = NgramProposer(

@@ -287,3 +287,34 @@ def test_async_under_tensor_parallelism(tiny_model_dirs, tiny_llama, method):
         assert_no_leaks(llm)
     finally:
         shutdown(llm)
+
+
+def test_async_launch_waits_only_for_steps_with_drafts(tiny_llama):
+    """With nothing reserved in the step in flight nor in the next one (max_tokens=2 leaves no room for drafts),
+    an n-gram engine launches the next step before it reads the previous one's tokens, as without speculation;
+    with drafts reserved it reads them first."""
+    llm = make_llm(tiny_llama, async_scheduling=True)
+    core = llm.llm_engine.engine_core
+    events: list[tuple[str, int]] = []
+    launch, collect = core.runner.launch, core.runner.collect
+
+    def logged_launch(sched):
+        step = launch(sched)
+        events.append(("launch", step.step_id))
+        return step
+
+    def logged_collect(step):
+        if step.output is None:
+            events.append(("collect", step.step_id))
+        return collect(step)
+
+    core.runner.launch, core.runner.collect = logged_launch, logged_collect
+    prompts = make_prompts()[-2:]
+    assert greedy(llm, prompts, max_tokens=2) == [t[:2] for t in greedy(make_llm(tiny_llama, None), prompts, 2)]
+    assert events.index(("launch", 1)) < events.index(("collect", 0))
+    events.clear()
+    greedy(llm, prompts, max_tokens=12)
+    first = events[0][1]
+    assert events.index(("collect", first + 1)) < events.index(("launch", first + 2))
+    assert stats(llm).spec_num_drafts > 0
+    assert_no_leaks(llm)
