@@ -438,7 +438,10 @@ class EngineCore:
         if self._in_flight is None:
             return
         prev_sched, prev_step = self._in_flight
-        if not (sched.spec_reserved or prev_sched.spec_reserved or self.proposer.reads_every_step):
+        if (
+            not (sched.spec_reserved or prev_sched.spec_reserved or self.proposer.reads_every_step)
+            and isinstance(self.runner, ModelRunner)  # (tensor-parallel workers get the tokens with the launch)
+        ):
             return  # nothing to move or fill: the launch need not wait (as without speculation)
         result = self.runner.collect(prev_step)
         scheduler = self.scheduler

@@ -267,10 +267,14 @@ def test_async_under_tensor_parallelism(tiny_model_dirs, tiny_llama, method):
     from tests.spec_decode.test_spec_tp import shutdown, tp_spec_llm
 
     prompts = make_prompts()
+    want = reference(tiny_llama, tuple(map(tuple, prompts)))
     llm = tp_spec_llm(tiny_llama, spec_config(method, tiny_llama, tiny_model_dirs), async_scheduling=True)
     try:
         core = llm.llm_engine.engine_core
         assert core.async_scheduling
+        # max_tokens 2 and 3: steps with no draft slots at all, right after steps with and without them.
+        for max_tokens in (2, 3, 40):
+            assert greedy(llm, prompts, max_tokens) == [t[:max_tokens] for t in want]
         step, checks = core.step, [0]
 
         def checked_step():
@@ -281,8 +285,8 @@ def test_async_under_tensor_parallelism(tiny_model_dirs, tiny_llama, method):
             checks[0] += 1
             return out
 
-        core.step = checked_step
-        assert greedy(llm, prompts) == reference(tiny_llama, tuple(map(tuple, prompts)))
+        core.step = checked_step  # (collecting each step early changes no output)
+        assert greedy(llm, prompts) == want
         assert stats(llm).spec_num_drafts > 0 and checks[0] > 0
         assert_no_leaks(llm)
     finally:
