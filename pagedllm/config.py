@@ -1094,6 +1094,10 @@ def make_engine_config(
         scheduler_config.async_scheduling = False
     if spec is not None:
         spec.check_target(model_config)
+        if async_scheduling is None and scheduler_config.async_scheduling:
+            # Speculation runs asynchronously when asked (async_scheduling=True): exact, checked on the CPU; it stays
+            # synchronous by default until a GPU run shows the asynchronous loop faster with it.
+            scheduler_config.async_scheduling = False
         if spec.method not in ("ngram", "medusa"):  # proposers that write their own KV for the drafts
             scheduler_config.num_lookahead_tokens = spec.num_speculative_tokens
         if spec.method in MTP_METHODS and parallel_config.tensor_parallel_size > 1:
