@@ -13,6 +13,7 @@ from tests.spec_decode.test_mtp import _prompts as mtp_prompts
 from tests.spec_decode.test_mtp import v3_dirs  # noqa: F401 - a fixture
 from tests.spec_decode.test_spec_engine import (
     assert_no_leaks,
+    check_n_stop_strings_and_logprobs,
     greedy,
     make_llm,
     make_prompts,
@@ -132,29 +133,7 @@ def test_async_max_tokens_stops_and_max_model_len(tiny_model_dirs, tiny_llama, m
 def test_async_n_stop_strings_and_logprobs(tiny_model_dirs, tiny_llama, method):
     plain = make_llm(tiny_llama, spec=None)
     spec = make_llm(tiny_llama, spec_config(method, tiny_llama, tiny_model_dirs), async_scheduling=True)
-    prompts = ["the cat counted the stars and the stars", "hello hello hello hello", "def fibonacci(n"]
-    sp = SamplingParams(n=2, temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
-    want = plain.generate(prompts, sp, use_tqdm=False)
-    got = spec.generate(prompts, sp, use_tqdm=False)
-    for w, g in zip(want, got):
-        assert len(g.outputs) == 2
-        for wc, gc in zip(w.outputs, g.outputs):
-            assert gc.token_ids == wc.token_ids and gc.text == wc.text
-            assert len(gc.logprobs) == len(gc.token_ids)
-            for wl, gl in zip(wc.logprobs, gc.logprobs):
-                assert wl.keys() == gl.keys()
-                for tok in wl:
-                    assert gl[tok].logprob == pytest.approx(wl[tok].logprob, abs=1e-4)
-                    assert gl[tok].rank == wl[tok].rank
-    text = want[1].outputs[0].text
-    stop = text[len(text) // 2 : len(text) // 2 + 3]
-    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop])
-    w, g = plain.generate(prompts, sp, use_tqdm=False), spec.generate(prompts, sp, use_tqdm=False)
-    assert [o.outputs[0].text for o in g] == [o.outputs[0].text for o in w]
-    assert [o.outputs[0].finish_reason for o in g] == [o.outputs[0].finish_reason for o in w]
-    assert w[1].outputs[0].finish_reason == "stop"
-    assert stats(spec).spec_num_drafts > 0
-    assert_no_leaks(spec)
+    check_n_stop_strings_and_logprobs(plain, spec)
 
 
 def test_async_history_params_seeds_and_structured_outputs(tiny_llama):

@@ -161,7 +161,12 @@ def test_stop_tokens_inside_drafts_and_max_tokens(tiny_model_dirs, tiny_llama, m
 
 def test_n_text_prompts_stop_strings_and_logprobs(tiny_model_dirs, tiny_llama, method):
     plain = make_llm(tiny_llama, spec=None)
-    spec = make_llm(tiny_llama, spec_config(method, tiny_llama, tiny_model_dirs))
+    check_n_stop_strings_and_logprobs(plain, make_llm(tiny_llama, spec_config(method, tiny_llama, tiny_model_dirs)))
+
+
+def check_n_stop_strings_and_logprobs(plain, spec) -> None:
+    """``spec`` (a speculating LLM) gives ``plain``'s texts, logprobs and ranks with n=2, and stops where it does on
+    a stop string."""
     prompts = ["the cat counted the stars and the stars", "hello hello hello hello", "def fibonacci(n"]
     sp = SamplingParams(n=2, temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
     want = plain.generate(prompts, sp, use_tqdm=False)
