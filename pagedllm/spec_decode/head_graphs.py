@@ -54,6 +54,14 @@ StepFn = Callable[
 ]
 
 
+def smallest_at_least(sizes: list[int], n: int) -> int | None:
+    """The first of the ascending captured ``sizes`` that holds ``n`` (None: none does, run eagerly)."""
+    for size in sizes:
+        if size >= n:
+            return size
+    return None
+
+
 @dataclass
 class DraftStepPlan:
     """The host inputs of draft steps ``0 .. steps - 1`` of ``n`` requests (rows ``n..`` padding, all resting)."""
@@ -197,10 +205,7 @@ class DraftStepGraphs:
         self.num_replays: dict[int, int] = {}
 
     def padded_size(self, num_reqs: int) -> int | None:
-        for s in self.sizes:
-            if s >= num_reqs:
-                return s
-        return None
+        return smallest_at_least(self.sizes, num_reqs)
 
     def _metadata(self, bs: int) -> AttentionMetadata:
         if self.cuda:  # placeholders: with the Triton backend nothing reads these host twins
@@ -421,10 +426,7 @@ class CatchUpGraphs:
         self.num_replays: dict[int, int] = {}
 
     def padded_size(self, num_reqs: int) -> int | None:
-        for s in self.sizes:
-            if s >= num_reqs:
-                return s
-        return None
+        return smallest_at_least(self.sizes, num_reqs)
 
     def can_run(self, inputs: CatchUpInputs) -> bool:
         """Whether a captured graph takes the pass: at most ``q`` tokens a request, few enough requests."""
@@ -555,10 +557,7 @@ class RowGraphs:
         self.num_replays: dict[int, int] = {}
 
     def padded_size(self, num_rows: int) -> int | None:
-        for s in self.sizes:
-            if s >= num_rows:
-                return s
-        return None
+        return smallest_at_least(self.sizes, num_rows)
 
     @torch.inference_mode()
     def capture(self) -> None:
