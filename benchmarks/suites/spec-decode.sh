@@ -2,11 +2,13 @@
 # speculative decoding: n-gram, draft model and EAGLE against plain decoding, speed and acceptance length
 #   tests    the gpu tests of tests/spec_decode
 #   demo     `pagedllm bench latency` on the bundled demo target (real code prompts: 128-token windows of the
-#            stdlib's held-out files, 128 out, greedy) at batch 1 and 16: no speculation, n-gram, the small demo
-#            model as draft, the demo EAGLE head; prints each run's mean acceptance length
+#            stdlib's held-out files, 128 out, greedy) at batch 1, 8 and 32: no speculation, n-gram, the small demo
+#            model as draft, the demo EAGLE head, the demo Medusa heads; each speculative method synchronously and
+#            with --async-scheduling (MODES); prints each run's mean acceptance length. PAGEDLLM_SPEC_GRAPHS=1 in
+#            the environment puts EAGLE / Medusa targets and heads on CUDA graphs
 #   latency  the Llama-3.1-8B shape (dummy weights) at batch 1 and 16, 128 in / 128 out: no speculation and a
 #            draft equal to the target (the same dummy weights: the best case, and the verification's overhead)
-#   [ITERS=N] [BATCHES="1 16"] [METHODS="plain ngram draft eagle"] [LLAMA_BATCHES="1 16"] \
+#   [ITERS=N] [BATCHES="1 8 32"] [METHODS="plain ngram draft eagle medusa"] [MODES="sync async"] [LLAMA_BATCHES="1 16"] \
 #     bash benchmarks/gpu.sh spec-decode [tests] [demo] [latency]      (no argument: all)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -19,7 +21,7 @@ bench() {  # name, then bench latency arguments
   echo "=== $name"
   local t0=$(date +%s)
   timeout 150 $py -m pagedllm.benchmarks.latency "$@" --output-json "$out/lat/$name.json" 2>&1 \
-    | grep -E "^(Latency|SpecDecoding)|Error|Traceback" | head -5
+    | grep -E "^(Latency|SpecDecoding|Scheduling|speculative decoding)|Error|Traceback" | cut -c1-400 | head -6
   echo "    ($(( $(date +%s) - t0 )) s)"
 }
 if want tests; then
@@ -32,15 +34,21 @@ if want demo; then
   held=("$std/xmlrpc/server.py" "$std/zipapp.py" "$std/zipfile" "$std/zipimport.py" "$std/zoneinfo")
   common=(--max-model-len 1024 --input-len 128 --output-len 128 --num-iters-warmup 2 --num-iters ${ITERS:-5}
           --prompts-from "${held[@]}")
-  for bs in ${BATCHES:-1 16}; do
-    for name in ${METHODS:-plain ngram draft eagle}; do
+  for bs in ${BATCHES:-1 8 32}; do
+    for name in ${METHODS:-plain ngram draft eagle medusa}; do
       case $name in
         plain) spec=() ;;
         ngram) spec=(--speculative-config '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}') ;;
         draft) spec=(--speculative-config '{"model": "pagedllm/demo_model/draft", "num_speculative_tokens": 4}') ;;
         eagle) spec=(--speculative-config '{"method": "eagle", "model": "pagedllm/demo_model/eagle", "num_speculative_tokens": 3}') ;;
+        medusa) spec=(--speculative-config '{"method": "medusa", "model": "pagedllm/demo_model/medusa", "num_speculative_tokens": 3}') ;;
       esac
-      bench "demo_b${bs}_$name" "${common[@]}" --batch-size "$bs" "${spec[@]}"
+      for mode in ${MODES:-sync async}; do
+        # plain decoding is asynchronous on CUDA by default: one row; speculation is synchronous unless asked
+        [ "$name" = plain ] && [ "$mode" = async ] && continue
+        extra=(); [ "$mode" = async ] && extra=(--async-scheduling)
+        bench "demo_b${bs}_${name}_$mode" "${common[@]}" --batch-size "$bs" --max-num-seqs "$bs" "${spec[@]}" "${extra[@]}"
+      done
     done
   done
 fi
