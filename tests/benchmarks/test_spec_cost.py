@@ -1,0 +1,102 @@
+"""benchmarks/spec_cost.py on the CPU: a plain and an EAGLE engine over a tiny llama, timed step by step; its JSON
+lines hold positive times and the implied speedup MAL * t_plain / (t_verify + t_propose)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("spec_cost", REPO_ROOT / "benchmarks" / "spec_cost.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+spec_cost = _load_script()
+
+COMMON = [
+    "--device",
+    "cpu",
+    "--dtype",
+    "float32",
+    "--input-len",
+    "12",
+    "--output-len",
+    "20",
+    "--warmup-steps",
+    "2",
+]
+COMMON += ["--max-model-len", "128", "--num-speculative-tokens", "3", "--mal", "3.0", "3.6"]
+
+
+def _records(out: str) -> list[dict]:
+    return [json.loads(line)["spec_cost"] for line in out.splitlines() if line.startswith('{"spec_cost"')]
+
+
+def _check(rec: dict) -> None:
+    for key in ("t_plain_ms", "t_verify_ms", "t_propose_ms", "t_plain_step_wall_ms", "t_spec_step_wall_ms"):
+        assert rec[key] > 0, key
+    t_plain, t_verify, t_propose = rec["t_plain_ms"], rec["t_verify_ms"], rec["t_propose_ms"]
+    assert rec["verify_over_plain"] == pytest.approx(t_verify / t_plain)
+    assert rec["propose_over_plain"] == pytest.approx(t_propose / t_plain)
+    assert set(rec["implied_speedup"]) == {"3.0", "3.6"}
+    for mal, speedup in rec["implied_speedup"].items():
+        assert speedup == pytest.approx(float(mal) * t_plain / (t_verify + t_propose))
+    # Full steps only, warm-up dropped: 19 plain decodes; with (almost) no accepted drafts, nearly as many
+    # verifications, each followed by one proposal.
+    steps = rec["num_steps"]
+    assert steps["plain"] == 20 - 1 - 2
+    assert 0 < steps["verify"] == steps["propose"] <= steps["plain"]
+    assert rec["measured_mal"] >= 1
+    assert rec["timer"] == "perf_counter"
+    assert not any(rec["graphs"].values())  # CPU: everything eager
+    assert "run eagerly" in rec["speculation_graphs"]
+
+
+def test_dummy_weights_two_batch_sizes(tiny_llama, tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("PAGEDLLM_SPEC_GRAPHS", "0")  # (restored afterwards: the script sets it)
+    returned = spec_cost.main(
+        [
+            "--model",
+            tiny_llama,
+            "--load-format",
+            "dummy",
+            "--batch-sizes",
+            "1",
+            "2",
+            "--work-dir",
+            str(tmp_path),
+        ]
+        + COMMON
+    )
+    out = capsys.readouterr().out
+    records = _records(out)
+    assert records == json.loads(json.dumps(returned))
+    assert [r["batch_size"] for r in records] == [1, 2]
+    for rec in records:
+        _check(rec)
+        assert rec["spec_graphs_env"] == "1"  # --spec-graphs is the default
+    assert out.count("Spec cost (batch") == 2
+    assert (
+        list(tmp_path.iterdir()) == []
+    )  # the head it wrote (config only) is gone with its temporary directory
+
+
+def test_random_head_weights_written_and_loaded(tiny_llama, tmp_path, monkeypatch, capsys) -> None:
+    """Real target weights: the script writes random EAGLE-1 weights, which the engine loads strictly."""
+    monkeypatch.setenv("PAGEDLLM_SPEC_GRAPHS", "1")
+    head = spec_cost.write_eagle_head(tiny_llama, tmp_path / "head", with_weights=True)
+    assert sorted(os.listdir(head)) == ["config.json", "model.safetensors"]
+    assert json.loads((Path(head) / "config.json").read_text())["num_hidden_layers"] == 1
+    (rec,) = spec_cost.main(["--model", tiny_llama, "--no-spec-graphs"] + COMMON)
+    _check(rec)
+    assert rec["spec_graphs_env"] == "0" and os.environ["PAGEDLLM_SPEC_GRAPHS"] == "0"
+    assert rec["batch_size"] == 1 and rec["load_format"] == "auto"
