@@ -8,8 +8,14 @@
 #            the environment puts EAGLE / Medusa targets and heads on CUDA graphs
 #   latency  the Llama-3.1-8B shape (dummy weights) at batch 1 and 16, 128 in / 128 out: no speculation and a
 #            draft equal to the target (the same dummy weights: the best case, and the verification's overhead)
+#   cost     benchmarks/spec_cost.py on the Llama-3.1-8B shape (dummy weights) at batch 1 and 8, k = 3, one run per
+#            batch size: a plain decode step, a verification step of k + 1 tokens a request and an EAGLE proposal
+#            (a head of the 8B shape), medians of GPU time; prints their ratios and the speedup they imply at mean
+#            acceptance lengths 3.0 and 3.6 (MAL * t_plain / (t_verify + t_propose)), and which CUDA graphs ran;
+#            --max-num-seqs 16: graphs captured up to batch 16 only (a shorter start-up: each run starts two engines)
 #   [ITERS=N] [BATCHES="1 8 32"] [METHODS="plain ngram draft eagle medusa"] [MODES="sync async"] [LLAMA_BATCHES="1 16"] \
-#     bash benchmarks/gpu.sh spec-decode [tests] [demo] [latency]      (no argument: all)
+#     [COST_BATCHES="1 8"] \
+#     bash benchmarks/gpu.sh spec-decode [tests] [demo] [latency] [cost]      (no argument: all)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source benchmarks/lib.sh "$@"
@@ -61,5 +67,16 @@ if want latency; then
     bench "llama8b_b${bs}_plain" "${common[@]}" --batch-size "$bs"
     bench "llama8b_b${bs}_draft_self" "${common[@]}" --batch-size "$bs" \
       --speculative-config "{\"model\": \"$L\", \"num_speculative_tokens\": 4}"
+  done
+fi
+if want cost; then
+  $py -m pagedllm.benchmarks.shapes /tmp/models >/dev/null
+  for bs in ${COST_BATCHES:-1 8}; do
+    echo "=== cost_b$bs"
+    t0=$(date +%s)
+    timeout 150 $py benchmarks/spec_cost.py --model /tmp/models/llama-3.1-8b --load-format dummy --batch-sizes "$bs" \
+      --num-speculative-tokens 3 --mal 3.0 3.6 --max-num-seqs 16 --work-dir /tmp/spec_cost 2>&1 \
+      | tee "$out/lat/cost_b$bs.log" | grep -E '^(\{"spec_cost"|Spec cost)|Error|Traceback' | head -5
+    echo "    ($(( $(date +%s) - t0 )) s)"
   done
 fi
