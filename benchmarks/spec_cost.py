@@ -3,7 +3,7 @@ measured on a target with random (dummy) weights, and the speedup those costs im
 lengths.
 
 python benchmarks/spec_cost.py --model /tmp/models/llama-3.1-8b --load-format dummy [--batch-sizes 1 8]
-    [--num-speculative-tokens 3] [--mal 3.0 3.6] [--eagle-dir DIR] [--work-dir DIR] [--no-spec-graphs]
+    [--num-speculative-tokens 3] [--mal 3.0 3.6] [--eagle-dir DIR] [--work-dir DIR] [--enforce-eager]
 
 (``python -m pagedllm.benchmarks.shapes /tmp/models`` writes the Llama-3.1-8B shape directory.)
 
@@ -48,8 +48,7 @@ from their captured sizes; ``speculation_graphs``: the proposer's start-up summa
 captured sizes are 1, 2, 4, 8, then multiples of 16 up to it): a smaller one shortens start-up and leaves the
 steps of a batch size it still holds as they are.
 
-``--spec-graphs`` (default) / ``--no-spec-graphs`` set ``PAGEDLLM_SPEC_GRAPHS`` before the engines start: CUDA graphs
-for EAGLE's target steps and head (1), or the target and head eager under speculation (0).
+``--enforce-eager`` runs both engines without CUDA graphs (the target's steps and the head's).
 
 The head: ``--eagle-dir``, or one this script writes under ``--work-dir`` (a temporary directory by default): the
 target's config.json with one layer (an EAGLE-1 head of the target's shape: fc 2H -> H and one decoder layer; the
@@ -213,6 +212,7 @@ def measure(args: argparse.Namespace, speculative_config: dict | None) -> dict[i
         max_num_seqs=args.max_num_seqs,
         seed=args.seed,
         speculative_config=speculative_config,
+        enforce_eager=args.enforce_eager,
     )
     try:
         engine = llm.llm_engine
@@ -295,7 +295,7 @@ def report(args: argparse.Namespace, bs: int, plain: dict[str, Any], spec: dict[
         "async_scheduling": {"plain": plain["async_scheduling"], "spec": spec["async_scheduling"]},
         "graphs": {**plain["graphs"], **spec["graphs"]},
         "speculation_graphs": spec.get("speculation_graphs"),
-        "spec_graphs_env": os.environ.get("PAGEDLLM_SPEC_GRAPHS"),
+        "enforce_eager": args.enforce_eager,
         "model": args.model,
         "eagle_dir": args.eagle_dir,  # None: one of the target's shape, written for the run
         "load_format": args.load_format,
@@ -347,12 +347,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="default: the engine's; a smaller one captures fewer CUDA graphs (a shorter start-up)",
     )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument(
-        "--spec-graphs",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="PAGEDLLM_SPEC_GRAPHS=1 (CUDA graphs for EAGLE's target and head) or 0",
-    )
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs, in either engine")
     args = ap.parse_args(argv)
     if args.num_speculative_tokens < 1:
         ap.error("--num-speculative-tokens must be >= 1")
@@ -365,7 +360,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
-    os.environ["PAGEDLLM_SPEC_GRAPHS"] = "1" if args.spec_graphs else "0"  # read when the engines start
     if args.work_dir is not None:
         os.makedirs(args.work_dir, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.work_dir) as tmp:

@@ -4,8 +4,8 @@
 #   demo     `pagedllm bench latency` on the bundled demo target (real code prompts: 128-token windows of the
 #            stdlib's held-out files, 128 out, greedy) at batch 1, 8 and 32: no speculation, n-gram, the small demo
 #            model as draft, the demo EAGLE head, the demo Medusa heads; each speculative method synchronously and
-#            with --async-scheduling (MODES); prints each run's mean acceptance length. PAGEDLLM_SPEC_GRAPHS=1 in
-#            the environment puts EAGLE / Medusa targets and heads on CUDA graphs
+#            with --async-scheduling (MODES); prints each run's mean acceptance length and which CUDA graphs
+#            the target and the head replay
 #   latency  the Llama-3.1-8B shape (dummy weights) at batch 1 and 16, 128 in / 128 out: no speculation and a
 #            draft equal to the target (the same dummy weights: the best case, and the verification's overhead)
 #   cost     benchmarks/spec_cost.py on the Llama-3.1-8B shape (dummy weights) at batch 1 and 8, k = 3, one run per

@@ -377,12 +377,9 @@ class ModelRunner:
         """Any CUDA graphs: unless eager mode (or ``cudagraph_mode`` NONE) was asked for, the backend cannot be
         captured, or layers are offloaded (``cpu_offload_gb``: the steps wait for the weight copies, not for
         launches; worker/weight_offload.py). Speculative decoding that reads the target's hidden states (EAGLE,
-        EAGLE-3, MTP, Medusa) gets them from the graphs' static outputs, where ``PAGEDLLM_SPEC_GRAPHS=1`` asks for
-        it: that path has been checked on the CPU with stand-in graphs, not yet on a GPU, so it is opt-in until the
-        GPU tests (tests/spec_decode/test_spec_graphs_gpu.py) have passed there."""
+        EAGLE-3, MTP, Medusa) gets them from the graphs' static outputs."""
         return not (
             self.config.enforce_eager
-            or (self.keep_hidden and os.environ.get("PAGEDLLM_SPEC_GRAPHS", "0") != "1")
             or self._graph_mode() == "NONE"
             or self.device.type != "cuda"
             or self.attn_backend.name != "triton"

@@ -62,7 +62,6 @@ def _check(rec: dict) -> None:
 
 
 def test_dummy_weights_two_batch_sizes(tiny_llama, tmp_path, monkeypatch, capsys) -> None:
-    monkeypatch.setenv("PAGEDLLM_SPEC_GRAPHS", "0")  # (restored afterwards: the script sets it)
     returned = spec_cost.main(
         [
             "--model",
@@ -83,7 +82,7 @@ def test_dummy_weights_two_batch_sizes(tiny_llama, tmp_path, monkeypatch, capsys
     assert [r["batch_size"] for r in records] == [1, 2]
     for rec in records:
         _check(rec)
-        assert rec["spec_graphs_env"] == "1"  # --spec-graphs is the default
+        assert rec["enforce_eager"] is False
     assert out.count("Spec cost (batch") == 2
     assert (
         list(tmp_path.iterdir()) == []
@@ -92,11 +91,10 @@ def test_dummy_weights_two_batch_sizes(tiny_llama, tmp_path, monkeypatch, capsys
 
 def test_random_head_weights_written_and_loaded(tiny_llama, tmp_path, monkeypatch, capsys) -> None:
     """Real target weights: the script writes random EAGLE-1 weights, which the engine loads strictly."""
-    monkeypatch.setenv("PAGEDLLM_SPEC_GRAPHS", "1")
     head = spec_cost.write_eagle_head(tiny_llama, tmp_path / "head", with_weights=True)
     assert sorted(os.listdir(head)) == ["config.json", "model.safetensors"]
     assert json.loads((Path(head) / "config.json").read_text())["num_hidden_layers"] == 1
-    (rec,) = spec_cost.main(["--model", tiny_llama, "--no-spec-graphs"] + COMMON)
+    (rec,) = spec_cost.main(["--model", tiny_llama, "--enforce-eager"] + COMMON)
     _check(rec)
-    assert rec["spec_graphs_env"] == "0" and os.environ["PAGEDLLM_SPEC_GRAPHS"] == "0"
+    assert rec["enforce_eager"] is True
     assert rec["batch_size"] == 1 and rec["load_format"] == "auto"

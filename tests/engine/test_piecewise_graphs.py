@@ -196,7 +196,7 @@ def test_attention_writes_into_a_given_output(cpu_runner):
 def test_piecewise_is_wanted_only_where_validated(cpu_runner, monkeypatch):
     """On a (pretend) CUDA device with the Triton backend: on by default; off with PAGEDLLM_PIECEWISE=0, eager
     mode, LoRA, a draft model's runner or an MLA model; under tensor parallelism unless PAGEDLLM_TP_PIECEWISE=0;
-    with an EAGLE / Medusa draft reading the target's hidden states where PAGEDLLM_SPEC_GRAPHS=1."""
+    with an EAGLE / Medusa draft reading the target's hidden states as well."""
     from types import SimpleNamespace
 
     monkeypatch.delenv("PAGEDLLM_PIECEWISE", raising=False)
@@ -208,11 +208,8 @@ def test_piecewise_is_wanted_only_where_validated(cpu_runner, monkeypatch):
     monkeypatch.setenv("PAGEDLLM_PIECEWISE", "0")
     assert not cpu_runner._piecewise_wanted()
     monkeypatch.delenv("PAGEDLLM_PIECEWISE")
-    with monkeypatch.context() as m:  # hidden states for a draft head: graphs only where PAGEDLLM_SPEC_GRAPHS=1
+    with monkeypatch.context() as m:  # hidden states for a draft head: from the graphs' static outputs
         m.setattr(cpu_runner, "keep_hidden", True)
-        m.delenv("PAGEDLLM_SPEC_GRAPHS", raising=False)
-        assert not cpu_runner._piecewise_wanted()
-        m.setenv("PAGEDLLM_SPEC_GRAPHS", "1")
         assert cpu_runner._piecewise_wanted()
     for attr, value in (
         ("lora_manager", object()),

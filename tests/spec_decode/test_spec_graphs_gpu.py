@@ -19,11 +19,6 @@ from tests.utils import make_tiny_model
 
 pytestmark = pytest.mark.gpu
 
-
-@pytest.fixture(autouse=True)
-def _spec_graphs_on(monkeypatch):
-    monkeypatch.setenv("PAGEDLLM_SPEC_GRAPHS", "1")  # opt-in until these tests have passed on a GPU
-
 # Batch sizes 1..8 and piecewise sizes 16..64: a short capture, and every path (padded verification batches,
 # mixed prefill chunks and verification, batches above none) within reach of five prompts.
 KW = dict(
