@@ -241,7 +241,12 @@ class InputProcessor:
                 f"{field}.image: {len(images)} images given, more than limit_mm_per_prompt allows "
                 f"({self.max_images_per_prompt})"
             )
-        images = [self.media.load_image(img, f"{field}.image[{i}]") for i, img in enumerate(images)]
+        from pagedllm.multimodal.processing import PreprocessedImage
+
+        images = [
+            img if isinstance(img, PreprocessedImage) else self.media.load_image(img, f"{field}.image[{i}]")
+            for i, img in enumerate(images)
+        ]
         return self.mm_processor.process(prompt_token_ids, images, f"{field}.image")
 
     @property
@@ -257,15 +262,20 @@ class InputProcessor:
             return len(prompt_token_ids)  # (Qwen2-VL: known once each image is preprocessed)
         return len(prompt_token_ids) + num_images * self.mm_processor.tokens_added_per_image
 
-    def load_chat_images(self, images: list[ChatImage]) -> list[Any]:
+    def load_chat_images(self, images: list[ChatImage], preprocess: bool = False) -> list[Any]:
         """PIL images of ``extract_chat_images``' parts (URLs fetched, data URLs decoded); the image limit is
-        checked before anything is fetched. May block on the network: servers call it off the event loop."""
+        checked before anything is fetched. With ``preprocess``, each image also goes through the image
+        processor: ``PreprocessedImage``s. May block on the network and takes the processor's time: servers call it
+        off the event loop."""
         if len(images) > self.max_images_per_prompt:
             raise ValueError(
                 f"{images[self.max_images_per_prompt].field}: {len(images)} images in the conversation, more "
                 f"than limit_mm_per_prompt allows ({self.max_images_per_prompt})"
             )
-        return [self.media.load_image(img.source, img.field) for img in images]
+        loaded = [self.media.load_image(img.source, img.field) for img in images]
+        if preprocess and self.mm_processor is not None:
+            return [self.mm_processor.preprocess_images([pil], img.field)[0] for pil, img in zip(loaded, images)]
+        return loaded
 
     def _check_token_ids(self, token_ids: Any) -> list[int]:
         if not isinstance(token_ids, (list, tuple)):

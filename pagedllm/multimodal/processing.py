@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -155,6 +156,16 @@ def max_tokens_per_image(config: Any, model_path: str | None = None) -> int:
     return _MAX_IMAGE_TOKENS[config.architectures[0]](config, model_path)
 
 
+@dataclass(frozen=True)
+class PreprocessedImage:
+    """An image already through the checkpoint's image processor: its encoder inputs (``preprocess``' dict) and
+    their content hash. A server makes these off its event loop (the processor takes tens of milliseconds an
+    image); ``MultiModalProcessor.process`` takes them as they are."""
+
+    data: dict[str, np.ndarray]
+    mm_hash: str
+
+
 class MultiModalProcessor:
     """Images -> ``MultiModalFeature``s and the prompt with expanded placeholders, for one model."""
 
@@ -248,6 +259,11 @@ class MultiModalProcessor:
             ]
         return [{"pixel_values": p} for p in pixels]
 
+    def preprocess_images(self, images: Sequence[Any], field: str) -> list[PreprocessedImage]:
+        """``preprocess`` and hash each image: what ``process`` needs of it, made ahead (e.g. in a worker
+        thread)."""
+        return [PreprocessedImage(d, _hash_data(self.architecture, d)) for d in self.preprocess(images, field)]
+
     def num_tokens(self, data: dict[str, np.ndarray]) -> int:
         """Embeddings the encoder makes for one preprocessed image."""
         if self.is_qwen2_vl:
@@ -260,8 +276,12 @@ class MultiModalProcessor:
         self, prompt_token_ids: list[int], images: Sequence[Any], field: str = "multi_modal_data.image"
     ) -> tuple[list[int], list[MultiModalFeature]]:
         """Expand each image's placeholder in ``prompt_token_ids``; ``ValueError`` naming ``field`` when the prompt's
-        placeholders do not match the images."""
-        datas = self.preprocess(images, field) if images else []
+        placeholders do not match the images. ``images``: PIL images, or ``PreprocessedImage``s (kept as they
+        are)."""
+        raw = [img for img in images if not isinstance(img, PreprocessedImage)]
+        made = iter(self.preprocess_images(raw, field) if raw else ())
+        items = [img if isinstance(img, PreprocessedImage) else next(made) for img in images]
+        datas = [item.data for item in items]
         sizes = [self.num_tokens(d) for d in datas]
         if self.is_gemma3:
             prompt_token_ids = self._gemma3_marks(prompt_token_ids)
@@ -290,7 +310,7 @@ class MultiModalProcessor:
             features.append(
                 MultiModalFeature(
                     modality="image",
-                    mm_hash=_hash_data(self.architecture, datas[i]),
+                    mm_hash=items[i].mm_hash,
                     offset=len(ids),
                     length=n,
                     data=datas[i],

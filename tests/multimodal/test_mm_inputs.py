@@ -116,6 +116,36 @@ def test_chat_image_parts_equal_generate(llm: LLM, image_server: str, media_dir:
     _assert_clean(llm)
 
 
+def test_preprocessed_images_give_the_same_prompt_and_features(llm: LLM) -> None:
+    """A server preprocesses chat images in a worker thread (``load_chat_images(..., preprocess=True)``):
+    ``PreprocessedImage``s expand the prompt and key the caches exactly as the PIL images do, mixed with PIL images
+    too, and generate the same tokens. A bad image fails there with its own field named."""
+    from pagedllm.engine.input_processor import ChatImage
+    from pagedllm.multimodal.processing import PreprocessedImage
+
+    ip = llm.llm_engine.input_processor
+    tok = llm.get_tokenizer()
+    ids = tok("<image> and <image> compared", add_special_tokens=False)["input_ids"]
+    images = [tiny_image(5), tiny_image(6, (25, 60))]
+    parts = [ChatImage(f"messages[0].content[{i}].image_url.url", data_url(img)) for i, img in enumerate(images)]
+    pre = ip.load_chat_images(parts, preprocess=True)
+    assert all(isinstance(p, PreprocessedImage) for p in pre)
+    want_ids, want = ip.process_multi_modal_data(ids, {"image": images})
+    for given in (pre, [images[0], pre[1]]):
+        got_ids, got = ip.process_multi_modal_data(ids, {"image": given})
+        assert got_ids == want_ids
+        assert [(f.mm_hash, f.offset, f.length) for f in got] == [(f.mm_hash, f.offset, f.length) for f in want]
+    outs = [
+        llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": given}}, GREEDY, use_tqdm=False)
+        for given in (images, pre)
+    ]
+    assert outs[0][0].outputs[0].token_ids == outs[1][0].outputs[0].token_ids
+    bad = [parts[0], ChatImage("messages[0].content[1].image_url.url", "data:image/png;base64,bm90IGFuIGltYWdl")]
+    with pytest.raises(ValueError, match=r"^messages\[0\]\.content\[1\]\.image_url\.url: .*cannot decode"):
+        ip.load_chat_images(bad, preprocess=True)
+    _assert_clean(llm)
+
+
 @pytest.mark.parametrize(
     "parts, field, why",
     [

@@ -125,9 +125,13 @@ class OpenAIServingChat(OpenAIServing):
             images=image_parts,
         )
         prompt: dict[str, Any] = {"prompt_token_ids": token_ids, "prompt": prompt_text}
-        if image_parts:  # fetched and decoded off the event loop (http URLs may take up to the fetch timeout)
+        if image_parts:  # fetched, decoded and preprocessed off the event loop: http URLs may take up to the fetch
+            # timeout, the image processor tens of milliseconds an image (on the loop, a burst of image requests
+            # would hold every stream's output back until the last image was through)
             try:
-                loaded = await asyncio.to_thread(self.engine.input_processor.load_chat_images, image_parts)
+                loaded = await asyncio.to_thread(
+                    self.engine.input_processor.load_chat_images, image_parts, preprocess=True
+                )
             except ValueError as e:
                 raise from_value_error(e, {"messages": "messages"}) from None
             prompt["multi_modal_data"] = {"image": loaded}
