@@ -313,17 +313,12 @@ def main() -> None:
     ours, ours_emb = run_pagedllm(
         path, texts, args.dtype, args.profile, args.torch_profile, args.host_only, args.max_num_batched_tokens
     )
-    rows = {"pagedllm": ours}
     best_st, st_emb = None, None
     if args.skip_st:
         print(json.dumps({"engine": "pagedllm", "seqs_per_s": round(len(texts) / ours["seconds"], 1)}))
         return
-    for bs in (int(b) for b in args.st_batch_sizes.split(",")):
-        row, emb = run_st(path, texts, args.dtype, bs)
-        rows[f"sentence-transformers bs={bs}"] = row
-        if best_st is None or row["seconds"] < best_st["seconds"]:
-            best_st, st_emb = row, emb
-    for name, row in rows.items():
+
+    def report(name: str, row: dict) -> None:  # each row as soon as it is measured (a timeout keeps the rest)
         row.update(
             engine=name,
             shape=args.shape,
@@ -332,7 +327,14 @@ def main() -> None:
             seqs_per_s=round(len(texts) / row["seconds"], 1),
             tokens_per_s=round(num_tokens / row["seconds"]),
         )
-        print(json.dumps(row))
+        print(json.dumps(row), flush=True)
+
+    report("pagedllm", ours)
+    for bs in (int(b) for b in args.st_batch_sizes.split(",")):
+        row, emb = run_st(path, texts, args.dtype, bs)
+        report(f"sentence-transformers bs={bs}", row)
+        if best_st is None or row["seconds"] < best_st["seconds"]:
+            best_st, st_emb = row, emb
     cos = torch.nn.functional.cosine_similarity(ours_emb, st_emb, dim=-1)
     print(json.dumps({
         "shape": args.shape,
