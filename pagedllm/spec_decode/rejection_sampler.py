@@ -61,7 +61,7 @@ def rejection_sample(
     num_draft_tokens: torch.Tensor,  # [batch] int64, each in 0..k (pass a host tensor when rows are seeded)
     draft_probs: torch.Tensor | None,  # [batch, k, vocab] float32, or None: n-gram drafts (q = one-hot)
     target_logits: torch.Tensor,  # [batch, k + 1, vocab] float32: target logits at each draft position + bonus
-    temperature: torch.Tensor,  # [batch] float32; < 1e-5: greedy row
+    temperature: torch.Tensor,  # [batch] float32; < 1e-5: greedy row (on the host, all greedy: a short path)
     generators: dict[int, torch.Generator] | None = None,  # row -> its own generator (seeded rows)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify the drafts of every row; see the module docstring for the rule.
@@ -79,6 +79,8 @@ def rejection_sample(
     num_draft = num_draft_tokens.to(device=device, dtype=torch.int64)  # [batch]
     is_draft = positions[:k] < num_draft.unsqueeze(1)  # [batch, k] bool: a real (non-padding) draft
     drafts = torch.where(is_draft, draft_token_ids.to(device), 0)  # [batch, k]; padding -> 0, a safe index
+    if temperature.device.type == "cpu" and bool((temperature < _GREEDY_EPS).all()):
+        return _greedy_verify(drafts, is_draft, target_logits, positions)
 
     greedy = temperature.to(device) < _GREEDY_EPS  # [batch] bool
     target_argmax = target_logits.argmax(dim=-1)  # [batch, k + 1]
@@ -131,3 +133,17 @@ def rejection_sample(
     output = torch.cat([output, output.new_full((batch, 1), PLACEHOLDER_TOKEN_ID)], dim=1)  # [batch, k + 1]
     output.scatter_(1, num_accepted.unsqueeze(1), final_token.unsqueeze(1))
     return output, num_accepted
+
+
+def _greedy_verify(
+    drafts: torch.Tensor, is_draft: torch.Tensor, target_logits: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rejection_sample`` when every row is greedy (known on the host): the same result in a few launches. The
+    accepted drafts equal the target's argmax where they stand, so a row's output is the argmax up to and including
+    position ``num_accepted`` (the correction or the bonus), then padding."""
+    k = drafts.shape[1]
+    target_argmax = target_logits.argmax(dim=-1)  # [batch, k + 1]
+    accept = (drafts == target_argmax[:, :k]) & is_draft  # [batch, k]
+    num_accepted = accept.long().cumprod(dim=1).sum(dim=1)  # [batch]
+    keep = positions.unsqueeze(0) <= num_accepted.unsqueeze(1)  # [batch, k + 1]
+    return torch.where(keep, target_argmax, PLACEHOLDER_TOKEN_ID), num_accepted

@@ -65,7 +65,7 @@ def sample_spec(
             torch.from_numpy(num_draft[group]),  # on the host: seeded rows read it there
             None,  # every proposer here drafts deterministically: q is one-hot
             processed[torch.from_numpy(idx).to(dev, non_blocking=True)],
-            temperature[group].to(dev, non_blocking=True),
+            temperature[group],  # on the host: an all-greedy group takes the short path
             {g: gens[int(j)] for g, j in enumerate(group) if int(j) in gens},
         )
         group_dev = torch.from_numpy(group).to(dev, non_blocking=True)

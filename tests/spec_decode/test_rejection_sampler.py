@@ -65,6 +65,30 @@ def test_greedy_rows_hand_computed() -> None:
     assert torch.equal(out, out2) and torch.equal(num_acc, num_acc2)
 
 
+def test_all_greedy_short_path_equals_the_general_rule() -> None:
+    """A batch whose rows are all greedy (temperature on the host) takes a short path; the same rows beside a random
+    row take the general one: the greedy rows' outputs agree, on random logits with drafts that match for a while."""
+    vocab, k, batch = 50, 4, 64
+    logits = torch.randn(batch, k + 1, vocab)
+    argmax = logits.argmax(dim=-1)
+    drafts = argmax[:, :k].clone()
+    cut = torch.randint(0, k + 1, (batch,))  # the first wrong draft (k: none)
+    for b in range(batch):
+        if cut[b] < k:
+            drafts[b, cut[b]] = (argmax[b, cut[b]] + 1) % vocab
+    num_draft = torch.randint(0, k + 1, (batch,))
+    short = rejection_sample(drafts, num_draft, None, logits, torch.zeros(batch))
+    temperature = torch.zeros(batch + 1)
+    temperature[-1] = 1.0  # one random row: the general rule for everyone
+    general = rejection_sample(
+        torch.cat([drafts, drafts[:1]]), torch.cat([num_draft, num_draft[:1]]), None,
+        torch.cat([logits, logits[:1]]), temperature,
+    )  # fmt: skip
+    assert torch.equal(short[0], general[0][:batch]) and torch.equal(short[1], general[1][:batch])
+    assert short[1].tolist() == torch.minimum(cut, num_draft).tolist()
+    assert_valid(*short, drafts, num_draft)
+
+
 def test_k_zero() -> None:
     logits = onehot_logits([[4], [1]], 5)
     out, num_acc = rejection_sample(
