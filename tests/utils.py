@@ -641,13 +641,17 @@ def make_tiny_gemma3_vl(path: str | Path) -> str:
 @torch.inference_mode()
 def hf_gemma3_vl_greedy_and_logprobs(path: str | Path, prompt: str, images: list, max_new_tokens: int):
     """transformers' Gemma 3 with images, float32, as ``hf_llava_greedy_and_logprobs``: each ``<start_of_image>``
-    of the prompt becomes ``<start_of_image>`` + 16 image tokens + ``<end_of_image>``, and ``token_type_ids`` marks
+    of the prompt becomes, as ``Gemma3Processor`` lays it out, a blank line, ``<start_of_image>`` + 16 image tokens
+    + ``<end_of_image>``, another blank line (with no image, the text is kept), and ``token_type_ids`` marks
     the image tokens (their bidirectional block mask)."""
     from transformers import AutoImageProcessor, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     model = _load_hf_vlm(_hf_vlm_class(path), str(path))
     cfg = model.config
+    if images:  # Gemma3Processor's layout: a blank line before and after each <start_of_image>
+        boi = tokenizer.convert_ids_to_tokens(model.config.boi_token_id)
+        prompt = prompt.replace(boi, f"\n\n{boi}\n\n")
     ids = []
     for tok in tokenizer(prompt)["input_ids"]:
         ids += [tok, *[cfg.image_token_id] * cfg.mm_tokens_per_image, cfg.eoi_token_id] if tok == cfg.boi_token_id else [tok]

@@ -156,9 +156,17 @@ class InputProcessor:
                 raise ValueError(
                     f"lora_request must be a LoRARequest or None, got {type(lora_request).__name__}"
                 )
+        multimodal = isinstance(prompt, Mapping) and prompt.get("multi_modal_data") is not None
+        given = prompt
+        if multimodal and self.mm_processor is not None and "prompt_token_ids" not in prompt:
+            text = prompt.get("prompt")
+            if isinstance(text, str):  # laid out as the checkpoint's processor lays it out (Gemma 3's blank lines)
+                prompt = {**prompt, "prompt": self.mm_processor.prompt_text_with_images(text, self.tokenizer)}
         prompt_text, prompt_token_ids = self._prompt_to_ids(prompt)
+        if prompt is not given:
+            prompt_text = given["prompt"]  # reported back as the user wrote it
         mm_features = None
-        if isinstance(prompt, Mapping) and prompt.get("multi_modal_data") is not None:
+        if multimodal:
             prompt_token_ids, mm_features = self.process_multi_modal_data(
                 prompt_token_ids, prompt["multi_modal_data"]
             )

@@ -209,9 +209,9 @@ class MultiModalProcessor:
 
     def placeholder_text(self, tokenizer: Any) -> str:
         """What marks one image in a chat prompt: the image token, wrapped in Qwen2-VL's vision start / end;
-        Gemma 3's ``<start_of_image>``."""
+        Gemma 3's ``<start_of_image>`` with the blank lines its processor puts around an image."""
         if self.is_gemma3:
-            return tokenizer.convert_ids_to_tokens(self.boi_token_id)
+            return self.prompt_text_with_images(tokenizer.convert_ids_to_tokens(self.boi_token_id), tokenizer)
         if self.is_qwen2_vl:
             return "".join(
                 tokenizer.convert_ids_to_tokens(
@@ -219,6 +219,15 @@ class MultiModalProcessor:
                 )
             )
         return tokenizer.convert_ids_to_tokens(self.image_token_id)
+
+    def prompt_text_with_images(self, text: str, tokenizer: Any) -> str:
+        """A text prompt that comes with images, as the checkpoint's processor lays it out before tokenizing:
+        Gemma 3's processor puts a blank line before and after each ``<start_of_image>`` (its image tokens and
+        ``<end_of_image>`` go in after it, in token space here); other models' text is kept."""
+        if not self.is_gemma3:
+            return text
+        boi = tokenizer.convert_ids_to_tokens(self.boi_token_id)
+        return text.replace(boi, f"\n\n{boi}\n\n")
 
     @property
     def tokens_added_per_image(self) -> int:

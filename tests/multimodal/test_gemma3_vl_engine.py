@@ -60,6 +60,26 @@ def test_images_and_text_in_one_batch_match_transformers(llm: LLM, tiny_gemma3_v
     outs = llm.generate([_mm(p, imgs) for p, imgs in CASES], GREEDY, use_tqdm=False)
     for (prompt, images), out in zip(CASES, outs):
         _check_against_hf(tiny_gemma3_vl, out, prompt, images)
+        assert out.prompt == prompt  # as given (the blank lines around an image are the processor's)
+    _assert_clean(llm)
+
+
+def test_chat_lays_an_image_out_as_the_processor_does(llm: LLM) -> None:
+    """A chat image part renders as ``<start_of_image>`` between blank lines (then the text), as the chat template's
+    ``<start_of_image>`` becomes once Gemma3Processor has laid it out; the same ids as the text prompt written so."""
+    tok = llm.get_tokenizer()
+    msg = [{"role": "user", "content": [{"type": "image_pil", "image_pil": tiny_image(3)}, {"type": "text", "text": "hi"}]}]
+    chat = llm.chat(msg, GREEDY, use_tqdm=False)[0]
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "<start_of_image>\nhi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert text.count("<start_of_image>") == 1 and text.startswith(tok.bos_token)
+    text = text[len(tok.bos_token) :]  # a text prompt gets its BOS from the tokenizer
+    direct = llm.generate(_mm(text, [tiny_image(3)]), GREEDY, use_tqdm=False)[0]
+    assert chat.prompt_token_ids == direct.prompt_token_ids
+    boi = chat.prompt_token_ids.index(tok.convert_tokens_to_ids("<start_of_image>"))
+    assert tok.decode(chat.prompt_token_ids[:boi]).endswith("\n\n")
+    assert chat.outputs[0].token_ids == direct.outputs[0].token_ids
     _assert_clean(llm)
 
 
@@ -113,9 +133,15 @@ def test_prefix_hit_on_a_repeated_image(llm: LLM, tiny_gemma3_vl: str) -> None:
 
 
 def test_prefix_hit_ending_inside_an_image(llm: LLM, tiny_gemma3_vl: str) -> None:
-    """A prompt that ends with its image: the second time, the hit (whole blocks, not the last token) ends inside
-    the image's tokens, and the step computes the rest of them seeing each other both ways."""
-    prompt = "hello <start_of_image>"
+    """A prompt that ends near its image: the second time, the hit (whole blocks, not the last token) ends inside
+    the image's tokens, and the step computes the rest of them seeing each other both ways. (The processor's blank
+    line follows the image: words go before it until the last whole block ends inside the image.)"""
+    ip, image_token = llm.llm_engine.input_processor, llm.get_tokenizer().convert_tokens_to_ids("<image_soft_token>")
+    for words in range(8):
+        prompt = "hello" + " a" * words + " <start_of_image>"
+        ids = ip.process("probe", _mm(prompt, [tiny_image(31)]), GREEDY).prompt_token_ids
+        if ids.index(image_token) < (len(ids) - 1) // 4 * 4 < ids.index(image_token) + GEMMA3_MM_TOKENS - 1:
+            break
     first = llm.generate(_mm(prompt, [tiny_image(31)]), GREEDY, use_tqdm=False)[0]
     again = llm.generate(_mm(prompt, [tiny_image(31)]), GREEDY, use_tqdm=False)[0]
     ids = first.prompt_token_ids
