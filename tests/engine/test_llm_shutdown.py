@@ -22,7 +22,7 @@ from pagedllm import LLM, SamplingParams, StructuredOutputsParams
 PROMPTS = [[5, 6, 7, 8, 9, 10], [40, 41, 42], [7, 300, 12, 99]]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 CHOICES = ["alpha", "beta"]  # a grammar: its compile runs on the structured-output manager's thread
-RELEASES = ("shutdown", "with", "del")  # iteration i releases with RELEASES[i % 3]
+RELEASES = ("shutdown", "with", "del")  # ways to release an engine, taken in turn
 
 
 def _children() -> set[int]:
@@ -100,15 +100,15 @@ def _assert_released(children: set[int], threads: set[threading.Thread]) -> None
     [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}, {"data_parallel_size": 2}],
     ids=["tp2", "pp2", "dp2"],
 )
-def test_engines_created_and_released_five_times(tiny_llama, single_engine_tokens, unraisable, parallel):
+def test_engines_created_and_released_in_turn(tiny_llama, single_engine_tokens, unraisable, parallel):
     import multiprocessing.resource_tracker
 
     # multiprocessing's resource tracker is a child that lives as long as this process: start it first.
     multiprocessing.resource_tracker.ensure_running()
     children, threads = _children(), set(threading.enumerate())
     assert not dist.is_initialized()
-    for i in range(5):
-        release = RELEASES[i % len(RELEASES)]
+    for i in range(len(RELEASES)):  # each release once, each engine after the last one's release
+        release = RELEASES[i]
         t0 = time.perf_counter()
         llm = LLM(tiny_llama, **_engine_kwargs(**parallel))
         t1 = time.perf_counter()

@@ -1,6 +1,6 @@
 """Load and cancellation soak against a real server on 127.0.0.1, with a KV cache small enough to preempt.
 
-For ``PAGEDLLM_SOAK_SECONDS`` (default 15) seconds, 24 concurrent clients send a random mix of streamed and
+For ``PAGEDLLM_SOAK_SECONDS`` (default 10) seconds, 24 concurrent clients send a random mix of streamed and
 non-streamed completions and chat completions (random max_tokens, n=1 or 2, stop strings, logprobs, sampling or
 greedy), and disconnect from some of them midway (closing the connection after a random delay or, streamed,
 after a few events): a disconnect is how an HTTP client aborts. Every request ends
@@ -27,7 +27,7 @@ import pytest
 
 from tests.entrypoints.server_utils import RemoteServer, metric
 
-SOAK_SECONDS = float(os.environ.get("PAGEDLLM_SOAK_SECONDS", "15"))
+SOAK_SECONDS = float(os.environ.get("PAGEDLLM_SOAK_SECONDS", "10"))
 SEED = int(os.environ.get("PAGEDLLM_SOAK_SEED", "0"))
 NUM_CLIENTS = 24
 REQUEST_TIMEOUT_S = 90.0  # a request still running after this long counts as a hang
