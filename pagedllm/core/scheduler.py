@@ -469,7 +469,6 @@ class Scheduler:
                 num_spec_tokens
                 and request.num_output_placeholders
                 and num_new == 1
-                and request.grammar is None
                 and not needs_history(request.sampling_params)
             ):
                 # Async speculation: a decode whose previous step is in flight. Its drafts are proposed at the

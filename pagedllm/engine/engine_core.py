@@ -423,8 +423,13 @@ class EngineCore:
             # The matchers now know the previous step's tokens: fill this step's bitmask in the background while
             # the outputs go out and the next step is scheduled; the next step() samples before it launches.
             states = self._grammar_states(launched[1])
+            num_draft = getattr(launched[1], "spec_num_draft", None)
             if states is None:
                 self.runner.sample(launched[1])
+            elif num_draft is not None and num_draft.any():
+                # Drafts to verify: a mask for each draft position, walked through the drafts here (on this
+                # thread: the matchers go back to where they were before the next step is scheduled).
+                self.runner.sample(launched[1], self._grammar_bitmask(launched[1]))
             else:
                 self._pending_sample = (launched[1], self.structured.grammar_bitmask_async(states))
         self._drain_if_idle()

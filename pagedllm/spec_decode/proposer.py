@@ -13,7 +13,8 @@ rejected.
 Under async scheduling the next step is scheduled before this one's tokens are known: the scheduler reserves room
 for drafts, and the engine core calls ``propose`` just before the launch, once the previous step's tokens are in,
 with ``DraftView``s of the requests (the scheduler's ``Request`` objects learn those tokens only after the launch).
-A request with a grammar gets no drafts then.
+A request with a grammar speculates then too: its masks, one per draft position, are filled after the previous
+step's tokens have advanced the grammar, before the step samples.
 """
 
 from __future__ import annotations

@@ -138,8 +138,8 @@ def test_async_n_stop_strings_and_logprobs(tiny_model_dirs, tiny_llama, method):
 
 def test_async_history_params_seeds_and_structured_outputs(tiny_llama):
     """Penalties and min_tokens decode without drafts next to requests that speculate; seeded random rows give
-    synchronous speculation's tokens (the same drafts, so the same draws); constrained requests decode without
-    drafts and give plain decoding's tokens."""
+    synchronous speculation's tokens (the same drafts, so the same draws); constrained requests speculate too (a
+    mask per draft position, filled once the previous step's tokens are in) and give plain decoding's tokens."""
     prompts = make_prompts(3)
     plain = make_llm(tiny_llama, spec=None)
     sync, asyn = pair(tiny_llama, spec_config("ngram", tiny_llama, {}))
@@ -169,6 +169,20 @@ def test_async_history_params_seeds_and_structured_outputs(tiny_llama):
     got = asyn.generate(texts, structured, use_tqdm=False)
     assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
     assert got[1].outputs[0].text in ("red green blue", "red red red")
+    # Constrained requests alone: they get drafts (the grammar forbids some, which verification rejects).
+    looping = [
+        SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=StructuredOutputsParams(regex=r"(ab )+")),
+        SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=StructuredOutputsParams(regex=r"(cd|ab)+")),
+    ]  # fmt: skip
+    looping_texts = ["ab ab ab ab ab ab", "cdabcdabcdab"]
+    before = stats(asyn).spec_num_drafts
+    got = asyn.generate(looping_texts, looping, use_tqdm=False)
+    assert stats(asyn).spec_num_drafts > before
+    want = plain.generate(looping_texts, looping, use_tqdm=False)
+    assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
+    assert [g.outputs[0].token_ids for g in sync.generate(looping_texts, looping, use_tqdm=False)] == [
+        w.outputs[0].token_ids for w in want
+    ]
     assert_no_leaks(asyn)
 
 
