@@ -90,9 +90,11 @@ class ModelConfig:
     # vLLM's pooler_config: {"pooling_type": "CLS" | "MEAN" | "LAST", "normalize": bool} over the checkpoint's
     pooler_overrides: dict[str, Any] | None = None
     # Multimodal models (vLLM's names): the most items of each modality per prompt ({"image": N}; unset: 999), and
-    # the directory under which file:// image URLs may be read (None: never).
+    # the directory under which file:// image URLs may be read (None: never), and the GiB of preprocessed images
+    # the front-end keeps, keyed by content, so a repeated image skips the image processor (0: none).
     limit_mm_per_prompt: dict[str, int] | None = None
     allowed_local_media_path: str | None = None
+    mm_processor_cache_gb: float = 4.0
     hf_config: Any = field(default=None, init=False, repr=False)
     model_path: str = field(default="", init=False)
     quant_config: Any = field(default=None, init=False, repr=False)  # QuantizationConfig | None
@@ -160,6 +162,9 @@ class ModelConfig:
         path = self.allowed_local_media_path
         if path is not None and not os.path.isdir(path):
             raise ValueError(f"allowed_local_media_path {path!r} is not a directory")
+        gb = self.mm_processor_cache_gb
+        if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not gb >= 0:
+            raise ValueError(f"mm_processor_cache_gb must be a number >= 0, got {gb!r}")
 
     def _resolve_runner(self, architecture: str) -> None:
         """Set ``runner_type`` (and ``pooler_config`` for a pooling model); ``ValueError`` naming ``runner`` or
@@ -971,6 +976,7 @@ def make_engine_config(
     cpu_offload_gb: float = 0,
     limit_mm_per_prompt: dict[str, int] | None = None,
     allowed_local_media_path: str | None = None,
+    mm_processor_cache_gb: float = 4.0,
 ) -> EngineConfig:
     """Build every config from vLLM-named keyword arguments (what ``LLM(...)`` and ``pagedllm serve`` take).
     ``usage_context``: "llm" (offline) or "api_server", which picks the batch defaults (``default_batch_limits``)."""
@@ -1011,6 +1017,7 @@ def make_engine_config(
         pooler_overrides=pooler_config,
         limit_mm_per_prompt=limit_mm_per_prompt,
         allowed_local_media_path=allowed_local_media_path,
+        mm_processor_cache_gb=mm_processor_cache_gb,
     )
     if model_config.is_multimodal:
         _check_multimodal_composition(

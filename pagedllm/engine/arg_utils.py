@@ -56,6 +56,12 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
         help="a directory under which file:// image URLs may be read (default: file:// URLs are refused)",
     )
     parser.add_argument(
+        "--mm-processor-cache-gb",
+        type=float,
+        default=4.0,
+        help="GiB of preprocessed images kept by content, so a repeated image skips the image processor (0: off)",
+    )
+    parser.add_argument(
         "--quantization",
         "-q",
         default=None,
@@ -311,6 +317,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         cpu_offload_gb=getattr(args, "cpu_offload_gb", 0),
         limit_mm_per_prompt=getattr(args, "limit_mm_per_prompt", None),
         allowed_local_media_path=getattr(args, "allowed_local_media_path", None),
+        mm_processor_cache_gb=getattr(args, "mm_processor_cache_gb", 4.0),
     )
 
 

@@ -90,6 +90,12 @@ class InputProcessor:
         from pagedllm.multimodal.media import MediaConnector
 
         self.media = MediaConnector(getattr(model_config, "allowed_local_media_path", None))
+        self.processor_cache = None  # preprocessed chat images by content (data URLs), when the model takes images
+        gb = getattr(model_config, "mm_processor_cache_gb", 0)
+        if self.mm_processor is not None and gb > 0:
+            from pagedllm.multimodal.processing import ProcessorCache
+
+            self.processor_cache = ProcessorCache(int(gb * 2**30))
 
     # ------------------------------------------------------------------ text
 
@@ -273,17 +279,30 @@ class InputProcessor:
     def load_chat_images(self, images: list[ChatImage], preprocess: bool = False) -> list[Any]:
         """PIL images of ``extract_chat_images``' parts (URLs fetched, data URLs decoded); the image limit is
         checked before anything is fetched. With ``preprocess``, each image also goes through the image
-        processor: ``PreprocessedImage``s. May block on the network and takes the processor's time: servers call it
-        off the event loop."""
+        processor: ``PreprocessedImage``s, a data URL seen before (``processor_cache``) as it was made then. May block on
+        the network and takes the processor's time: servers call it off the event loop."""
         if len(images) > self.max_images_per_prompt:
             raise ValueError(
                 f"{images[self.max_images_per_prompt].field}: {len(images)} images in the conversation, more "
                 f"than limit_mm_per_prompt allows ({self.max_images_per_prompt})"
             )
-        loaded = [self.media.load_image(img.source, img.field) for img in images]
-        if preprocess and self.mm_processor is not None:
-            return [self.mm_processor.preprocess_images([pil], img.field)[0] for pil, img in zip(loaded, images)]
-        return loaded
+        if not (preprocess and self.mm_processor is not None):
+            return [self.media.load_image(img.source, img.field) for img in images]
+        out = []
+        cache = self.processor_cache
+        for img in images:
+            key = None
+            if cache is not None and isinstance(img.source, str) and img.source.startswith("data:"):
+                key = cache.key(img.source)  # a data URL is its content; a fetched URL's content may change
+                hit = cache.get(key)
+                if hit is not None:
+                    out.append(hit)
+                    continue
+            item = self.mm_processor.preprocess_images([self.media.load_image(img.source, img.field)], img.field)[0]
+            if key is not None:
+                cache.put(key, item)
+            out.append(item)
+        return out
 
     def _check_token_ids(self, token_ids: Any) -> list[int]:
         if not isinstance(token_ids, (list, tuple)):

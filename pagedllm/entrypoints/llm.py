@@ -122,6 +122,7 @@ class LLM:
         cpu_offload_gb: float = 0,
         limit_mm_per_prompt: dict[str, int] | None = None,
         allowed_local_media_path: str | None = None,
+        mm_processor_cache_gb: float = 4.0,
         **kwargs: Any,
     ) -> None:
         if kwargs:
@@ -182,6 +183,7 @@ class LLM:
             cpu_offload_gb=cpu_offload_gb,
             limit_mm_per_prompt=limit_mm_per_prompt,
             allowed_local_media_path=allowed_local_media_path,
+            mm_processor_cache_gb=mm_processor_cache_gb,
         )
         self.llm_engine = LLMEngine(config)
         self._counter = itertools.count()

@@ -9,6 +9,8 @@ already expanded (as HF's processor returns them) is taken as it is.
 from __future__ import annotations
 
 import hashlib
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -164,6 +166,54 @@ class PreprocessedImage:
 
     data: dict[str, np.ndarray]
     mm_hash: str
+
+
+class ProcessorCache:
+    """Preprocessed images by the content they came from (a data URL's text: its bytes, base64), least recently used
+    dropped once they hold more than ``max_bytes`` of arrays (vLLM's ``mm_processor_cache_gb``). A repeated image
+    then skips decoding, the image processor and hashing. Shared by a server's worker threads (locked); an entry's
+    arrays are never written (the models stack or concatenate them into new tensors)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.queries = 0
+        self.hits = 0
+        self._items: OrderedDict[str, PreprocessedImage] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(content: str) -> str:
+        return hashlib.blake2b(content.encode(), digest_size=16).hexdigest()
+
+    def get(self, key: str) -> PreprocessedImage | None:
+        with self._lock:
+            self.queries += 1
+            item = self._items.get(key)
+            if item is not None:
+                self._items.move_to_end(key)
+                self.hits += 1
+            return item
+
+    def put(self, key: str, item: PreprocessedImage) -> None:
+        size = sum(v.nbytes for v in item.data.values())
+        if size > self.max_bytes:
+            return
+        with self._lock:
+            if key in self._items:
+                return
+            self._items[key] = item
+            self._bytes += size
+            while self._bytes > self.max_bytes:
+                _, old = self._items.popitem(last=False)
+                self._bytes -= sum(v.nbytes for v in old.data.values())
+
+    @property
+    def num_bytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._items)
 
 
 class MultiModalProcessor:

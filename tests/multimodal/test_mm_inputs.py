@@ -146,6 +146,47 @@ def test_preprocessed_images_give_the_same_prompt_and_features(llm: LLM) -> None
     _assert_clean(llm)
 
 
+def test_processor_cache_serves_a_repeated_data_url(llm: LLM, tiny_llava: str) -> None:
+    """A data URL seen before skips the image processor (the same ``PreprocessedImage``); other images and fetched
+    URLs are processed; the cache keeps at most ``mm_processor_cache_gb`` of arrays (least recently used out), and
+    0 turns it off."""
+    from pagedllm.engine.input_processor import ChatImage
+    from pagedllm.multimodal.processing import PreprocessedImage, ProcessorCache
+
+    ip = llm.llm_engine.input_processor
+    cache = ip.processor_cache
+    assert cache is not None and cache.max_bytes == 4 * 2**30  # vLLM's default, 4 GiB
+    url = data_url(tiny_image(71))
+    first = ip.load_chat_images([ChatImage("f", url)], preprocess=True)[0]
+    queries, hits = cache.queries, cache.hits
+    again, other = ip.load_chat_images([ChatImage("f", url), ChatImage("g", data_url(tiny_image(72)))], preprocess=True)
+    assert again is first and other.mm_hash != first.mm_hash
+    assert (cache.queries - queries, cache.hits - hits) == (2, 1)
+    size = sum(v.nbytes for v in first.data.values())
+    small = ProcessorCache(2 * size)
+    items = {k: PreprocessedImage(first.data, k) for k in "abc"}
+    for k in "ab":
+        small.put(k, items[k])
+    assert small.get("a") is items["a"]  # now b is the least recently used
+    small.put("c", items["c"])
+    assert small.get("b") is None and small.get("a") is items["a"] and len(small) == 2 and small.num_bytes == 2 * size
+    ProcessorCache(size - 1).put("x", items["a"])  # larger than the whole cache: not kept (no error)
+    with LLM(tiny_llava, mm_processor_cache_gb=0, **ENGINE) as off:
+        assert off.llm_engine.input_processor.processor_cache is None
+        assert off.chat(_user(_url(url), _text("x")), GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="mm_processor_cache_gb"):
+        LLM(tiny_llava, mm_processor_cache_gb=-1, **ENGINE)
+    import argparse
+
+    from pagedllm.engine.arg_utils import add_engine_args, engine_kwargs_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    for argv, gb in (([], 4.0), (["--mm-processor-cache-gb", "0.5"], 0.5)):  # `pagedllm serve`'s flag
+        config = make_engine_config(tiny_llava, **{**engine_kwargs_from_args(parser.parse_args(argv)), "device": "cpu"})
+        assert config.model_config.mm_processor_cache_gb == gb
+
+
 @pytest.mark.parametrize(
     "parts, field, why",
     [
