@@ -83,6 +83,12 @@ class PrometheusStatLogger:
         self.encoder_cache_hits = counter(
             "encoder_cache_hits", "Images whose embeddings were already in the encoder cache (not encoded again)."
         )
+        self.mm_cache_queries = counter(
+            "mm_cache_queries", "Chat images (data URLs) looked up in the front-end's processor cache."
+        )
+        self.mm_cache_hits = counter(
+            "mm_cache_hits", "Chat images found preprocessed in the processor cache (the image processor skipped)."
+        )
         self.num_preemptions = counter("num_preemptions", "Requests preempted (their KV cache freed) so far.")
         self.integrity_check_failures = counter(
             "integrity_check_failures", "Failed idle-time KV cache integrity checks (nonzero means a bug)."
@@ -175,6 +181,11 @@ class PrometheusStatLogger:
             for pos, total in enumerate(stats.spec_accepted_per_pos):
                 metric = self._spec_per_pos.labels(self.model_name, str(pos))
                 self._advance(metric, f"spec_accepted_pos_{pos}", total)
+
+    def record_mm_cache(self, queries: int, hits: int) -> None:
+        """The front-end's processor cache counters (cumulative; ``InputProcessor.processor_cache``)."""
+        self._advance(self.mm_cache_queries, "mm_cache_queries", queries)
+        self._advance(self.mm_cache_hits, "mm_cache_hits", hits)
 
     def record_iteration_stats(self, stats: Any) -> None:
         if stats.num_prompt_tokens:

@@ -12,7 +12,8 @@
 #   ours:  `pagedllm serve` (SERVE_ARGS added), a 16-request warm-up, then the workload.
 #   hits:  the same server (started if `ours` did not run), the workload again with the images drawn from a pool of
 #          UNIQUE (--random-mm-num-unique-images, seed 1): the encoder cache's hit rate (and the prefix cache's)
-#          from the /metrics deltas around the run (pagedllm:encoder_cache_{queries,hits}_total). An entry no
+#          from the /metrics deltas around the run (pagedllm:encoder_cache_{queries,hits}_total; the front-end's
+#          processor cache, pagedllm:mm_cache_{queries,hits}_total, as vLLM's vllm:mm_cache_*). An entry no
 #          running request needs stays until a new image needs its room (least recently released first), so a
 #          repeat hits while the cache (max_num_batched_tokens rows) still holds it; a repeated image wholly inside
 #          a prefix-cache hit needs no lookup at all (not a query).

@@ -93,7 +93,9 @@ def test_bench_serve_random_mm_against_the_server(server, tiny_llava, tmp_path) 
 
 
 def test_encoder_cache_counters_on_metrics(server, tiny_llava) -> None:
-    """A chat request with an image not seen before is one encoder-cache query and no hit."""
+    """A chat request with an image not seen before is one encoder-cache query and no hit; the processor cache
+    (`pagedllm:mm_cache_*`, vLLM's `vllm:mm_cache_*`) counts one query and no hit, then a hit when the same data URL
+    comes again."""
     before = server.wait_idle()
     assert "pagedllm:encoder_cache_queries_total" in httpx.get(server.base_url + "/metrics", timeout=10).text
     server.openai_client().chat.completions.create(
@@ -102,3 +104,11 @@ def test_encoder_cache_counters_on_metrics(server, tiny_llava) -> None:
     after = server.wait_idle()
     assert metric(after, "encoder_cache_queries_total") - metric(before, "encoder_cache_queries_total") == 1
     assert metric(after, "encoder_cache_hits_total") == metric(before, "encoder_cache_hits_total")
+    assert metric(after, "mm_cache_queries_total") - metric(before, "mm_cache_queries_total") == 1
+    assert metric(after, "mm_cache_hits_total") == metric(before, "mm_cache_hits_total")
+    server.openai_client().chat.completions.create(
+        model=tiny_llava, messages=_message(tiny_image(77, (33, 21))), max_tokens=2
+    )
+    again = server.wait_idle()
+    assert metric(again, "mm_cache_queries_total") - metric(after, "mm_cache_queries_total") == 1
+    assert metric(again, "mm_cache_hits_total") - metric(after, "mm_cache_hits_total") == 1

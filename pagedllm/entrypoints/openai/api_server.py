@@ -307,6 +307,9 @@ def build_app(
                 metrics.record_scheduler_stats(await asyncio.wait_for(engine.get_stats(), 2.0))
             except (asyncio.TimeoutError, EngineDeadError):
                 pass  # the last stats the engine pushed are still there
+        cache = getattr(getattr(engine, "input_processor", None), "processor_cache", None)
+        if cache is not None:
+            metrics.record_mm_cache(cache.queries, cache.hits)
         from pagedllm.metrics import CONTENT_TYPE
 
         return Response(metrics.render(), media_type=CONTENT_TYPE)
