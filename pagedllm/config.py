@@ -890,9 +890,10 @@ def _check_multimodal_composition(
     quantization: str | None,
 ) -> None:
     """What a multimodal model does not run with yet: refused (``ValueError`` naming the option), never
-    ignored. Tensor parallelism works: the text model shards, the vision tower runs whole on every rank."""
+    ignored. Tensor parallelism works: the text model shards, the vision tower runs whole on every rank; so does
+    n-gram speculation (its drafts are text tokens the target verifies)."""
     for name, on in (
-        ("speculative_config", spec is not None),
+        ("speculative_config (other than n-gram)", spec is not None and spec.method != "ngram"),
         ("enable_lora", enable_lora),
         ("pipeline_parallel_size", pp > 1),
         ("data_parallel_size", dp > 1),
