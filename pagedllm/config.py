@@ -885,18 +885,17 @@ def _check_multimodal_composition(
     spec: Any,
     enable_lora: bool,
     pp: int,
-    dp: int,
     kv_transfer: Any,
     quantization: str | None,
 ) -> None:
     """What a multimodal model does not run with yet: refused (``ValueError`` naming the option), never
-    ignored. Tensor parallelism works: the text model shards, the vision tower runs whole on every rank; so does
-    n-gram speculation (its drafts are text tokens the target verifies)."""
+    ignored. Tensor parallelism works: the text model shards, the vision tower runs whole on every rank; so do data
+    parallelism (each rank's engine encodes its own requests' images) and n-gram speculation (its drafts are text
+    tokens the target verifies)."""
     for name, on in (
         ("speculative_config (other than n-gram)", spec is not None and spec.method != "ngram"),
         ("enable_lora", enable_lora),
         ("pipeline_parallel_size", pp > 1),
-        ("data_parallel_size", dp > 1),
         ("kv_transfer_config", kv_transfer is not None),
         ("quantization", quantization is not None or model_config.quant_config is not None),
         ("runner='pooling'", model_config.runner_type == "pooling"),
@@ -1022,8 +1021,7 @@ def make_engine_config(
     )
     if model_config.is_multimodal:
         _check_multimodal_composition(
-            model_config, spec, enable_lora, pipeline_parallel_size, data_parallel_size, kv_transfer,
-            quantization,
+            model_config, spec, enable_lora, pipeline_parallel_size, kv_transfer, quantization
         )  # fmt: skip
     if model_config.runner_type == "pooling":
         _check_pooling_options(
