@@ -890,13 +890,17 @@ def _check_multimodal_composition(
 ) -> None:
     """What a multimodal model does not run with yet: refused (``ValueError`` naming the option), never
     ignored. Tensor parallelism works: the text model shards, the vision tower runs whole on every rank; so do data
-    parallelism (each rank's engine encodes its own requests' images) and n-gram speculation (its drafts are text
-    tokens the target verifies)."""
+    parallelism (each rank's engine encodes its own requests' images), n-gram speculation (its drafts are text
+    tokens the target verifies) and CPU offloading (blocks over an image are keyed by its content, like the device
+    prefix cache's; an image whose tokens all load needs no encoding)."""
     for name, on in (
         ("speculative_config (other than n-gram)", spec is not None and spec.method != "ngram"),
         ("enable_lora", enable_lora),
         ("pipeline_parallel_size", pp > 1),
-        ("kv_transfer_config", kv_transfer is not None),
+        (
+            "kv_transfer_config (other than CPU offloading)",
+            kv_transfer is not None and kv_transfer.kv_connector != "OffloadingConnector",
+        ),
         ("quantization", quantization is not None or model_config.quant_config is not None),
         ("runner='pooling'", model_config.runner_type == "pooling"),
     ):

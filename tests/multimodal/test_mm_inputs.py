@@ -256,7 +256,7 @@ def test_text_only_model_refuses_images(tiny_llama: str) -> None:
         (dict(speculative_config={"model": "DRAFT", "num_speculative_tokens": 2}), "speculative_config"),
         (dict(enable_lora=True), "enable_lora"),
         (dict(pipeline_parallel_size=2), "pipeline_parallel_size"),
-        (dict(kv_offloading_size=0.01), "kv_transfer_config"),
+        (dict(kv_transfer_config={"kv_connector": "P2pConnector", "kv_role": "kv_producer", "kv_port": 1}), "kv_transfer_config"),
     ],
 )  # fmt: skip
 def test_unsupported_combinations_are_refused(tiny_llava: str, kwargs: dict, name: str) -> None:

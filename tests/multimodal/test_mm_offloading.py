@@ -1,0 +1,31 @@
+"""CPU offloading with a multimodal model: a device cache of few blocks and a second pass over image prompts served
+from the CPU tier. Blocks over an image are keyed by its content, so the greedy tokens equal a roomy engine's, the
+CPU tier serves hits, an image whose tokens all load is not encoded again, and nothing leaks."""
+
+from __future__ import annotations
+
+from pagedllm import LLM, SamplingParams
+from tests.utils import tiny_image
+
+ENGINE = dict(device="cpu", dtype="float32", block_size=4, max_model_len=64, enforce_eager=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+def test_offloaded_image_prefixes_give_the_same_tokens(tiny_llava: str) -> None:
+    prompts = [
+        {"prompt": f"<image>\nwhat is in picture {i} please", "multi_modal_data": {"image": tiny_image(i % 3)}}
+        for i in range(6)
+    ]
+    with LLM(tiny_llava, num_gpu_blocks_override=200, **ENGINE) as roomy:
+        want = [o.outputs[0].token_ids for o in roomy.generate(prompts, GREEDY, use_tqdm=False)]
+    with LLM(tiny_llava, num_gpu_blocks_override=24, kv_offloading_size=0.01, **ENGINE) as llm:
+        core = llm.llm_engine.engine_core
+        for _ in range(2):
+            before = core.get_stats()
+            assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == want
+            core.check_integrity()
+            kv = core.kv_cache_manager
+            assert kv.num_free_blocks == kv.pool.num_blocks and not llm.llm_engine.has_unfinished_requests()
+        after = core.get_stats()
+        assert after.external_prefix_cache_hits > before.external_prefix_cache_hits  # the second pass loaded blocks
+        assert after.encoder_cache_queries == before.encoder_cache_queries  # ...over its images: none re-encoded
