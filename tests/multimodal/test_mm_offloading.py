@@ -4,6 +4,8 @@ CPU tier serves hits, an image whose tokens all load is not encoded again, and n
 
 from __future__ import annotations
 
+import pytest
+
 from pagedllm import LLM, SamplingParams
 from tests.utils import tiny_image
 
@@ -29,3 +31,23 @@ def test_offloaded_image_prefixes_give_the_same_tokens(tiny_llava: str) -> None:
         after = core.get_stats()
         assert after.external_prefix_cache_hits > before.external_prefix_cache_hits  # the second pass loaded blocks
         assert after.encoder_cache_queries == before.encoder_cache_queries  # ...over its images: none re-encoded
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llava", "tiny_qwen2_vl"])
+def test_loads_that_end_inside_an_image(request, fixture: str) -> None:
+    """Prompts that end with their image: the CPU tier's whole blocks end inside the image's tokens, the image is
+    encoded again for the rest of them (Qwen2-VL: at its 3-D positions), and the tokens stay the same."""
+    path = request.getfixturevalue(fixture)
+    with LLM(path, num_gpu_blocks_override=200, **ENGINE) as roomy:
+        mark = roomy.llm_engine.input_processor.image_placeholder
+        prompts = [{"prompt": f"hi {'a ' * j}{mark}", "multi_modal_data": {"image": tiny_image(j)}} for j in range(6)]
+        want = [o.outputs[0].token_ids for o in roomy.generate(prompts, GREEDY, use_tqdm=False)]
+    with LLM(path, num_gpu_blocks_override=16, kv_offloading_size=0.01, **ENGINE) as llm:
+        core = llm.llm_engine.engine_core
+        for _ in range(2):
+            before = core.get_stats()
+            assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == want
+            core.check_integrity()
+        after = core.get_stats()
+        assert after.external_prefix_cache_hits > before.external_prefix_cache_hits
+        assert after.encoder_cache_queries > before.encoder_cache_queries  # partly loaded images, encoded again
