@@ -883,7 +883,6 @@ def _apply_expert_parallel(parallel_config: ParallelConfig, model_config: ModelC
 def _check_multimodal_composition(
     model_config: ModelConfig,
     spec: Any,
-    enable_lora: bool,
     pp: int,
     kv_transfer: Any,
     quantization: str | None,
@@ -891,11 +890,10 @@ def _check_multimodal_composition(
     """What a multimodal model does not run with yet: refused (``ValueError`` naming the option), never
     ignored. Tensor parallelism works: the text model shards, the vision tower runs whole on every rank; so do data
     parallelism (each rank's engine encodes its own requests' images), n-gram speculation (its drafts are text
-    tokens the target verifies) and CPU offloading (blocks over an image are keyed by its content, like the device
-    prefix cache's; an image whose tokens all load needs no encoding)."""
+    tokens the target verifies), CPU offloading (blocks over an image are keyed by its content, like the device
+    prefix cache's; an image whose tokens all load needs no encoding) and LoRA on the text model."""
     for name, on in (
         ("speculative_config (other than n-gram)", spec is not None and spec.method != "ngram"),
-        ("enable_lora", enable_lora),
         ("pipeline_parallel_size", pp > 1),
         (
             "kv_transfer_config (other than CPU offloading)",
@@ -1025,7 +1023,7 @@ def make_engine_config(
     )
     if model_config.is_multimodal:
         _check_multimodal_composition(
-            model_config, spec, enable_lora, pipeline_parallel_size, kv_transfer, quantization
+            model_config, spec, pipeline_parallel_size, kv_transfer, quantization
         )  # fmt: skip
     if model_config.runner_type == "pooling":
         _check_pooling_options(

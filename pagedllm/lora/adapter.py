@@ -113,6 +113,11 @@ def _split_key(key: str) -> tuple[str, str]:
     prefix = "base_model.model."
     if key.startswith(prefix):
         key = key[len(prefix) :]
+    # A vision-language checkpoint's text model: transformers 5 names it model.language_model.layers..., the
+    # layout the models here keep (and transformers 4 wrote) is language_model.model.layers...
+    vlm = "model.language_model."
+    if key.startswith(vlm):
+        key = "language_model.model." + key[len(vlm) :]
     parts = key.split(".")
     if len(parts) >= 3 and parts[-1] == "weight" and parts[-2] in ("lora_A", "lora_B"):
         return ".".join(parts[:-2]), parts[-2]

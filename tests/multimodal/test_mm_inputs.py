@@ -254,7 +254,6 @@ def test_text_only_model_refuses_images(tiny_llama: str) -> None:
     "kwargs, name",
     [
         (dict(speculative_config={"model": "DRAFT", "num_speculative_tokens": 2}), "speculative_config"),
-        (dict(enable_lora=True), "enable_lora"),
         (dict(pipeline_parallel_size=2), "pipeline_parallel_size"),
         (dict(kv_transfer_config={"kv_connector": "P2pConnector", "kv_role": "kv_producer", "kv_port": 1}), "kv_transfer_config"),
     ],
