@@ -15,6 +15,7 @@ from tests.spec_decode.test_spec_engine import (
     assert_no_leaks,
     check_n_stop_strings_and_logprobs,
     greedy,
+    history_params,
     make_llm,
     make_prompts,
     spec_config,
@@ -143,12 +144,7 @@ def test_async_history_params_seeds_and_structured_outputs(tiny_llama):
     prompts = make_prompts(3)
     plain = make_llm(tiny_llama, spec=None)
     sync, asyn = pair(tiny_llama, spec_config("ngram", tiny_llama, {}))
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, repetition_penalty=1.3),
-        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, frequency_penalty=0.5),
-        SamplingParams(temperature=0.0, max_tokens=20, min_tokens=5),
-        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logit_bias={5: 2.0}),
-    ] + [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)] * (len(prompts) - 4)
+    params = history_params(len(prompts))
     inputs = [{"prompt_token_ids": p} for p in prompts]
     want = [o.outputs[0].token_ids for o in plain.generate(inputs, params, use_tqdm=False)]
     assert [o.outputs[0].token_ids for o in asyn.generate(inputs, params, use_tqdm=False)] == want

@@ -193,18 +193,24 @@ def check_n_stop_strings_and_logprobs(plain, spec) -> None:
     assert_no_leaks(spec)
 
 
+def history_params(n: int) -> list[SamplingParams]:
+    """Greedy params for ``n`` prompts: penalties, min_tokens and a logit bias on the first four (the first three read
+    the history, so those requests decode without drafts), plain greedy on the rest."""
+    return [
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, frequency_penalty=0.5),
+        SamplingParams(temperature=0.0, max_tokens=20, min_tokens=5),
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logit_bias={5: 2.0}),
+    ] + [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)] * (n - 4)
+
+
 def test_sampling_params_that_read_history_decode_without_drafts(tiny_llama):
     """Penalties and min_tokens change the target distribution position by position: such requests run
     without drafts (exactly as without speculation), next to requests that do speculate."""
     prompts = make_prompts(3)
     plain = make_llm(tiny_llama, spec=None)
     spec = make_llm(tiny_llama)
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, repetition_penalty=1.3),
-        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, frequency_penalty=0.5),
-        SamplingParams(temperature=0.0, max_tokens=20, min_tokens=5),
-        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logit_bias={5: 2.0}),
-    ] + [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)] * (len(prompts) - 4)
+    params = history_params(len(prompts))
     inputs = [{"prompt_token_ids": p} for p in prompts]
     want = plain.generate(inputs, params, use_tqdm=False)
     got = spec.generate(inputs, params, use_tqdm=False)
