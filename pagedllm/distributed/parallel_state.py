@@ -286,6 +286,18 @@ def destroy_distributed(abort: bool = False) -> None:
     dist.destroy_process_group()
 
 
+def shutdown_backend(backend: Any, what: str) -> None:
+    """Release a process group built outside the default one (``ProcessGroupNCCL(store, ...)``): NCCL's
+    communicator is shut down now rather than left to process exit, where its heartbeat would fail against a
+    peer's closed store; gloo's frees on collection. A peer already gone is logged as ``what``'s, not raised."""
+    shutdown = getattr(backend, "shutdown", None)
+    if shutdown is not None:
+        try:
+            shutdown()
+        except RuntimeError as e:
+            logger.warning("%s shutdown: %s", what, e)
+
+
 def divide(numerator: int, tp_size: int, field: str) -> int:
     """``numerator / tp_size``, or a ``ValueError`` naming the config ``field`` that does not split evenly."""
     if numerator % tp_size:

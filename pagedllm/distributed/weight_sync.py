@@ -18,6 +18,8 @@ import logging
 import torch
 import torch.distributed as dist
 
+from pagedllm.distributed.parallel_state import shutdown_backend
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -38,12 +40,7 @@ class WeightSyncGroup:
     def destroy(self) -> None:
         """Release the communicator (NCCL's is shut down rather than left to process exit) and the store."""
         backend, self.backend, self.store = self.backend, None, None
-        shutdown = getattr(backend, "shutdown", None)  # ProcessGroupNCCL has one; gloo frees on collection
-        if shutdown is not None:
-            try:
-                shutdown()
-            except RuntimeError as e:  # a peer already gone: nothing more to release here
-                logger.warning("weight-update group shutdown: %s", e)
+        shutdown_backend(backend, "weight-update group")
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Broadcast ``tensor`` in place from rank ``src`` (blocking until this rank's part is done)."""

@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pagedllm.distributed.parallel_state import shutdown_backend
 from pagedllm.kv_transfer.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
 
 if TYPE_CHECKING:
@@ -254,6 +255,9 @@ class _Producer:
         self._stop.set()
         self.thread.join(timeout=5)
         self.ctx.destroy(0)
+        for group in self.groups.values():
+            shutdown_backend(group, "KV transfer group")
+        self.groups.clear()
 
     def _loop(self) -> None:
         import zmq
@@ -380,6 +384,10 @@ class _Consumer:
         self.jobs.put(None)
         self.thread.join(timeout=5)
         self.ctx.destroy(0)
+        for peer in self.peers.values():
+            if peer.group is not None:
+                shutdown_backend(peer.group, "KV transfer group")
+        self.peers.clear()
 
     def ping(self, host: str, port: int, timeout_s: float) -> dict:
         """One request/reply on a fresh socket (the start-up check); raises TimeoutError."""

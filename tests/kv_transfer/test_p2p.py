@@ -11,6 +11,7 @@ import time
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.kv_transfer import p2p as p2p_module
 from tests.entrypoints.server_utils import free_port
 
 BLOCK_SIZE = 4
@@ -127,17 +128,23 @@ def test_pd_equals_one_engine(pair, single):
     check_pd_equals_one_engine(*pair, single)
 
 
-def test_pd_equals_one_engine_with_async_scheduling(tiny_llama, single):
+def test_pd_equals_one_engine_with_async_scheduling(tiny_llama, single, monkeypatch):
     """As on CUDA, where async scheduling is the default: the producer finishes a request one step late, the
-    consumer's load results arrive while the next step is in flight."""
+    consumer's load results arrive while the next step is in flight. Shutting the engines down releases the
+    transfer's process group on both sides (NCCL's communicator is not left to process exit)."""
     transfer = p2p("kv_producer", kv_port=free_port(), kv_store_port=free_port())
     producer = make_llm(tiny_llama, transfer, async_scheduling=True)
     consumer = make_llm(tiny_llama, p2p("kv_consumer"), async_scheduling=True)
+    released = []
+    real = p2p_module.shutdown_backend
+    monkeypatch.setattr(p2p_module, "shutdown_backend", lambda group, what: (released.append(group), real(group, what)))
     try:
         check_pd_equals_one_engine(producer, consumer, single)
     finally:
         consumer.shutdown()
+        assert len(released) == 1  # the consumer's side of the one producer it pulled from
         producer.shutdown()
+    assert len(released) == 2 and released[0] is not released[1]
 
 
 def check_pd_equals_one_engine(producer: LLM, consumer: LLM, single) -> None:
