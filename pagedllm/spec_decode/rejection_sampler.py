@@ -135,8 +135,19 @@ def rejection_sample(
     return output, num_accepted
 
 
+def greedy_verify(
+    draft_token_ids: torch.Tensor,  # [batch, k] int64, every draft real, on the logits' device
+    target_logits: torch.Tensor,  # [batch, k + 1, vocab] any float dtype (argmax only)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rejection_sample`` of all-greedy rows with ``k`` drafts each, on logits nothing edits: the same
+    ``(output_token_ids, num_accepted)`` without shape checks or host tensors."""
+    k = draft_token_ids.shape[1]
+    positions = torch.arange(k + 1, device=target_logits.device)
+    return _greedy_verify(draft_token_ids, True, target_logits, positions)
+
+
 def _greedy_verify(
-    drafts: torch.Tensor, is_draft: torch.Tensor, target_logits: torch.Tensor, positions: torch.Tensor
+    drafts: torch.Tensor, is_draft: torch.Tensor | bool, target_logits: torch.Tensor, positions: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``rejection_sample`` when every row is greedy (known on the host): the same result in a few launches. The
     accepted drafts equal the target's argmax where they stand, so a row's output is the argmax up to and including

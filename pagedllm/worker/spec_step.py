@@ -15,7 +15,7 @@ import torch
 from pagedllm.core.sched_output import LogprobsLists, ModelRunnerOutput
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.sampler import LogprobsTensors, Sampler, compute_logprobs_topk
-from pagedllm.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, rejection_sample
+from pagedllm.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, greedy_verify, rejection_sample
 from pagedllm.worker.input_batch import InputBatch
 
 if TYPE_CHECKING:
@@ -38,9 +38,24 @@ def sample_spec(
     holds them in ``step`` (``ModelRunner._hold_sampled``), and ``collect_spec`` writes them into the batch."""
     s_rows = step.sample_rows
     num_draft = step.spec_num_draft  # [num_sampled]
+    num_sampled, k = step.spec_draft_ids.shape
+    if (
+        grammar_bitmask is None
+        and batch.num_complex_rows == 0  # no masks, biases or penalties: greedy rows take the raw argmax
+        and bool(batch.greedy_np[s_rows].all())
+        and not bool((batch.num_logprobs_np[s_rows] >= 0).any())
+        and bool((num_draft == k).all())
+    ):
+        # The common case in a few launches: k drafts a request, all greedy, nothing to edit or report.
+        logits = step.logits.view(num_sampled, k + 1, -1)  # [num_sampled, k + 1, vocab_size]
+        drafts = torch.from_numpy(step.spec_draft_ids).to(dev, non_blocking=True)  # [num_sampled, k]
+        output, num_accepted = greedy_verify(drafts, logits)
+        step.logits = None
+        step.sample_gen = batch.row_gen[s_rows].copy()
+        step.sample_num_logprobs = batch.num_logprobs_np[s_rows].copy()
+        return output, num_accepted, None
     counts = num_draft + 1  # [num_sampled] logit rows per request
     starts = np.cumsum(counts) - counts  # [num_sampled] its first logit row
-    num_sampled, k = step.spec_draft_ids.shape
     # Every logit row samples with its request's settings (drafted requests have no history-dependent ones).
     meta = sampling_metadata(np.repeat(s_rows, counts))
     if grammar_bitmask is not None:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pagedllm.spec_decode import rejection_sample
+from pagedllm.spec_decode.rejection_sampler import greedy_verify
 
 NEG_INF = float("-inf")
 
@@ -87,6 +88,13 @@ def test_all_greedy_short_path_equals_the_general_rule() -> None:
     assert torch.equal(short[0], general[0][:batch]) and torch.equal(short[1], general[1][:batch])
     assert short[1].tolist() == torch.minimum(cut, num_draft).tolist()
     assert_valid(*short, drafts, num_draft)
+    # Every row with all k drafts: greedy_verify (the verification step's fast path, bf16 logits as the target
+    # gives them) equals the general rule.
+    full = torch.full((batch,), k)
+    fast = greedy_verify(drafts, logits.bfloat16())
+    want = rejection_sample(drafts, full, None, logits.bfloat16().float(), torch.zeros(batch))
+    assert torch.equal(fast[0], want[0]) and torch.equal(fast[1], want[1])
+    assert 0 < int(fast[1].sum()) < batch * k  # some drafts accepted, some rejected
 
 
 def test_k_zero() -> None:
