@@ -5,7 +5,8 @@
 #            stdlib's held-out files, 128 out, greedy) at batch 1, 8 and 32: no speculation, n-gram, the small demo
 #            model as draft, the demo EAGLE head, the demo Medusa heads; each speculative method synchronously and
 #            with --async-scheduling (MODES); prints each run's mean acceptance length and which CUDA graphs
-#            the target and the head replay
+#            the target and the head replay; PROFILE=1 adds one profiled iteration a run (--profile-steps: host ms
+#            per engine phase, the proposer's included, and the GPU's busy fraction)
 #   latency  the Llama-3.1-8B shape (dummy weights) at batch 1 and 16, 128 in / 128 out: no speculation and a
 #            draft equal to the target (the same dummy weights: the best case, and the verification's overhead)
 #   cost     benchmarks/spec_cost.py on the Llama-3.1-8B shape (dummy weights) at batch 1 and 8, k = 3, one run per
@@ -13,7 +14,7 @@
 #            (a head of the 8B shape), medians of GPU time; prints their ratios and the speedup they imply at mean
 #            acceptance lengths 3.0 and 3.6 (MAL * t_plain / (t_verify + t_propose)), and which CUDA graphs ran;
 #            --max-num-seqs 16: graphs captured up to batch 16 only (a shorter start-up: each run starts two engines)
-#   [ITERS=N] [BATCHES="1 8 32"] [METHODS="plain ngram draft eagle medusa"] [MODES="sync async"] [LLAMA_BATCHES="1 16"] \
+#   [ITERS=N] [PROFILE=1] [BATCHES="1 8 32"] [METHODS="plain ngram draft eagle medusa"] [MODES="sync async"] [LLAMA_BATCHES="1 16"] \
 #     [COST_BATCHES="1 8"] \
 #     bash benchmarks/gpu.sh spec-decode [tests] [demo] [latency] [cost]      (no argument: all)
 set -uo pipefail
@@ -27,7 +28,7 @@ bench() {  # name, then bench latency arguments
   echo "=== $name"
   local t0=$(date +%s)
   timeout 150 $py -m pagedllm.benchmarks.latency "$@" --output-json "$out/lat/$name.json" 2>&1 \
-    | grep -E "^(Latency|SpecDecoding|Scheduling|speculative decoding)|Error|Traceback" | cut -c1-400 | head -6
+    | grep -E "^(Latency|SpecDecoding|Scheduling|speculative decoding|Step profile)|Error|Traceback" | cut -c1-400 | head -7
   echo "    ($(( $(date +%s) - t0 )) s)"
 }
 if want tests; then
@@ -39,7 +40,7 @@ if want demo; then
   # The held-out files of the demo model's training (pagedllm/demo_model/train_log.json: from xmlrpc/server.py on).
   held=("$std/xmlrpc/server.py" "$std/zipapp.py" "$std/zipfile" "$std/zipimport.py" "$std/zoneinfo")
   common=(--max-model-len 1024 --input-len 128 --output-len 128 --num-iters-warmup 2 --num-iters ${ITERS:-5}
-          --prompts-from "${held[@]}")
+          --prompts-from "${held[@]}" ${PROFILE:+--profile-steps})
   for bs in ${BATCHES:-1 8 32}; do
     for name in ${METHODS:-plain ngram draft eagle medusa}; do
       case $name in

@@ -37,6 +37,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "files joined (a directory: its *.py files, sorted), spread evenly over the text, so speculative "
         "decoding has something to predict",
     )
+    parser.add_argument(
+        "--profile-steps",
+        action="store_true",
+        help="after the timed iterations, one profiled iteration: host ms per engine phase, GPU busy",
+    )
 
 
 def _prompts(batch_size: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
@@ -128,6 +133,13 @@ def main(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         run()
         latencies.append(time.perf_counter() - start)
+    profile = None
+    if args.profile_steps and llm is not None:
+        from pagedllm.benchmarks.step_profile import StepProfiler, format_report
+
+        profiler = StepProfiler(llm.llm_engine)
+        run()
+        profile = profiler.stop()
     lat = np.array(latencies)
     out_tok_s = args.batch_size * args.output_len / lat.mean()
     print(
@@ -150,6 +162,8 @@ def main(args: argparse.Namespace) -> int:
         )
         if graphs is not None:
             print(graphs)
+        if profile is not None:
+            print(format_report(profile))
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(
@@ -161,6 +175,7 @@ def main(args: argparse.Namespace) -> int:
                     "latencies_s": latencies,
                     "percentiles_s": {str(p): float(np.percentile(lat, p)) for p in (10, 25, 50, 75, 90, 99)},
                     "output_tokens_per_s": out_tok_s,
+                    "step_profile": profile,
                     "args": vars(args),
                 },
                 f,

@@ -5,7 +5,8 @@ Wraps one ``EngineCore``'s phases with timers: ``schedule``, ``launch`` (input p
 kernel launches, ``ModelRunner.launch``), ``sample`` (sampling metadata and the sampler's launches), ``mask``
 (structured outputs: filling a step's token bitmask on the engine's thread, or, with async scheduling, waiting for
 the fill running in the background), ``wait`` (blocked in ``collect`` for the device to finish a step: large means
-the GPU is the bottleneck), ``update`` (``update_from_output``) and the rest of each engine step (front-end output
+the GPU is the bottleneck), ``update`` (``update_from_output``), ``propose`` (speculative decoding: the proposer's
+drafts, its own waits for the device included) and the rest of each engine step (front-end output
 processing). On CUDA an event before each launch and one after its sampling bracket the step; the GPU is "busy"
 from the start event (which fires once the previous work is done) to the end event, so the busy fraction is the
 sum of those intervals over the wall time (it counts gaps while the host is still launching a step as busy).
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 
-_PHASES = ("schedule", "launch", "sample", "mask", "wait", "update")
+_PHASES = ("schedule", "launch", "sample", "mask", "wait", "update", "propose")
 
 
 class StepProfiler:
@@ -40,6 +41,8 @@ class StepProfiler:
         self._wrap(core.runner, "sample", "sample", event="end")
         self._wrap(core, "_grammar_bitmask", "mask")
         self._wrap(core, "_await_bitmask", "mask")
+        if getattr(core, "proposer", None) is not None:
+            self._wrap(core.proposer, "propose", "propose")
         self._wrap(llm_engine, "step", "engine_step")
         self.start = time.perf_counter()
 

@@ -35,7 +35,8 @@ def test_text_prompts_are_spread_windows_of_the_files(tmp_path):
 @pytest.mark.parametrize("scheduling", ["--async-scheduling", "--no-async-scheduling"])
 def test_bench_latency_with_text_prompts_and_ngram(tmp_path, capsys, scheduling):
     """End to end on CPU: text prompts that repeat themselves give n-gram drafts something to accept; speculation
-    runs with either scheduling mode (the switch for A/B runs), and the output says which."""
+    runs with either scheduling mode (the switch for A/B runs), and the output says which. --profile-steps adds
+    one profiled iteration, the proposer's time among its phases."""
     (tmp_path / "text.py").write_text("for i in range(3):\n    print(i)\n" * 30)
     p = argparse.ArgumentParser()
     add_cli_args(p)
@@ -44,7 +45,7 @@ def test_bench_latency_with_text_prompts_and_ngram(tmp_path, capsys, scheduling)
          "--batch-size", "2", "--input-len", "32", "--output-len", "8", "--num-iters-warmup", "0",
          "--num-iters", "1", "--prompts-from", str(tmp_path / "text.py"), "--speculative-config",
          '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3, "prompt_lookup_min": 2}',
-         scheduling, "--output-json", str(tmp_path / "out.json")]
+         scheduling, "--output-json", str(tmp_path / "out.json"), "--profile-steps"]
     )  # fmt: skip
     assert main(args) == 0
     out = capsys.readouterr().out
@@ -52,4 +53,7 @@ def test_bench_latency_with_text_prompts_and_ngram(tmp_path, capsys, scheduling)
     assert "Mean acceptance length" in out
     on = scheduling == "--async-scheduling"
     assert f"Scheduling: {'async' if on else 'synchronous'}" in out
-    assert json.loads((tmp_path / "out.json").read_text())["async_scheduling"] is on
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert result["async_scheduling"] is on
+    assert "Step profile:" in out and " propose " in out
+    assert result["step_profile"]["steps"] > 0 and result["step_profile"]["propose_ms_per_step"] > 0
