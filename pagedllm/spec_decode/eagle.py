@@ -122,6 +122,7 @@ class EagleProposer:
         self.kv: KVCacheManager | None = None
         self.step_graphs: DraftStepGraphs | None = None
         self.catch_up_graphs: CatchUpGraphs | None = None
+        self.num_device_proposals = 0  # proposals queued on the device after a verification step
 
     def _whole_tables(self, config: EngineConfig) -> tuple[torch.nn.Module, torch.nn.Module | None]:
         """Unsharded copies of the target's embedding and (EAGLE-1, whose logits are the target's) LM head, read
@@ -194,6 +195,65 @@ class EagleProposer:
         self.graphs_summary = log_speculation_graphs(
             self.method, self.runner, self.step_graphs, self.catch_up_graphs
         )
+        from pagedllm.worker.model_runner import ModelRunner
+
+        if (
+            self.catch_up_graphs is not None
+            and type(self.runner) is ModelRunner  # in this process (not tensor-parallel workers)
+            and self.runner.longrope is None  # (positions in the graphs' inputs are then rotary rows)
+        ):
+            self.runner.after_spec_sample = self.draft_on_device
+
+    @torch.inference_mode()
+    def draft_on_device(self, step: Any, tokens: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        """The runner's hook right after a verification step's sampling: when every request of the step verified
+        k drafts through the target's multi-token graph, queue the next proposal behind it on the device (the
+        catch-up over all k + 1 positions, ``CatchUpGraphs.run_verified``, then the draft steps planned there)
+        and its copy to the host, so that neither waits for the host to learn what was accepted. ``propose``
+        then only reads the drafts back (``_take_device_drafts``). Other steps propose on the host after them."""
+        graphs = self.catch_up_graphs
+        bs = step.verify_graph_bs
+        n = len(step.req_ids)
+        if (
+            not bs
+            or step.draft_hidden is None
+            or len(step.sample_req_ids) != n
+            or not bool((step.spec_num_draft == self.k).all())
+            or graphs.padded_size(n) != bs
+            or bs not in graphs.graphs
+            or (self.step_graphs is not None and self.step_graphs.padded_size(n) not in self.step_graphs.graphs)
+        ):
+            return
+        verify = self.runner.graph_runner
+        last, first = graphs.run_verified(verify, n, tokens, num_accepted, step.draft_hidden)
+        drafts = torch.empty(n, self.k, dtype=torch.long, device=self.device)  # [n, k]
+        drafts[:, 0] = first
+        nb = step.verify_table_width
+        capacity = np.fromiter(
+            (min(len(self.kv.get_block_ids(r)), nb) * self.block_size for r in step.req_ids), np.int64, count=n
+        )
+        if self.k > 1:
+            # Each request's last position after this step: its first position in it plus the tokens it emits.
+            last_pos = verify.positions[: n * graphs.q : graphs.q] + num_accepted + 1  # [n]
+            self.step_graphs.run_on_device(
+                self.step_graphs.padded_size(n),
+                last_pos,
+                torch.from_numpy(capacity).to(self.device, non_blocking=True),
+                verify.block_table[:n, 0, :nb],
+                self.block_size,
+                first,
+                last,
+                drafts[:, 1:],
+            )
+        host = drafts
+        event = None
+        if self.device.type == "cuda":
+            host = torch.empty(drafts.shape, dtype=torch.long, pin_memory=True)
+            host.copy_(drafts, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        step.device_drafts = (host, event, capacity)
+        self.num_device_proposals += 1
 
     def new_catch_up_graphs(self, q: int) -> CatchUpGraphs:
         """Catch-up graphs (not captured yet) over this head, for passes of at most ``q`` tokens a request."""
@@ -237,6 +297,9 @@ class EagleProposer:
         result: ModelRunnerOutput | None = None,
     ) -> None:
         if sched is None or step is None or step.draft_hidden is None:
+            return
+        if step.device_drafts is not None:
+            self._take_device_drafts(requests, step)
             return
         live = {r.request_id: r for r in requests}
         # 1. Catch up over every position the target computed and kept this step.
@@ -296,6 +359,26 @@ class EagleProposer:
             self._draft_steps([request for request, _, _ in chosen], ks, first, h, drafts[:, 1:])
         for (request, _, k), d in zip(chosen, drafts.tolist()):  # the one device-to-host sync of a proposal
             request.spec_token_ids = d[:k]
+
+    def _take_device_drafts(self, requests: Sequence[Request], step: Any) -> None:
+        """The drafts ``draft_on_device`` made for ``step``'s requests, cut as the host path cuts them: to what
+        ``num_drafts_allowed`` and the request's blocks at that step allow."""
+        host, event, capacity = step.device_drafts
+        step.device_drafts = None
+        if event is not None:
+            event.synchronize()
+        index = {req_id: i for i, req_id in enumerate(step.req_ids)}
+        drafts = None
+        for request in requests:
+            i = index.get(request.request_id)
+            if i is None or not can_speculate(request):
+                continue
+            k = num_drafts_allowed(request, self.k, self.max_model_len)
+            k = min(k, int(capacity[i]) - request.num_tokens + 2)
+            if k > 0:
+                if drafts is None:
+                    drafts = host.tolist()
+                request.spec_token_ids = drafts[i][:k]
 
     def _draft_steps(
         self,

@@ -276,6 +276,44 @@ class DraftStepGraphs:
         self.plan_i64[:steps].copy_(self.host_plan_i64[:steps], non_blocking=True)
         self.plan_i32[:steps].copy_(self.host_plan_i32[:steps], non_blocking=True)
         self.block_table[:bs].copy_(self.host_table[:bs], non_blocking=True)
+        self._replay(bs, n, steps, tokens, hidden, out)
+
+    def run_on_device(
+        self,
+        bs: int,  # the padded batch size (padded_size(n))
+        last_pos: torch.Tensor,  # [n] int64 each request's last position: step j runs it at last_pos + j
+        capacity: torch.Tensor,  # [n] int64 positions below this have a slot in the request's blocks
+        block_table: torch.Tensor,  # [>= n, nb] int32 the requests' block ids (columns past capacity unread)
+        block_size: int,
+        tokens: torch.Tensor,  # [n] draft 1
+        hidden: torch.Tensor,  # [n, H] the head's hidden that made it
+        out: torch.Tensor,  # [n, steps] step j's drafts go to out[:, j]
+    ) -> None:
+        """As ``run``, with the plan made on the device from positions known only there (after a verification
+        step, before the host reads it): every request runs every step; a step at or past its capacity (or
+        max_model_len) rests (position 0, no slot, context 1), and its drafts from then on are not to be used."""
+        n, steps = out.shape
+        j = torch.arange(steps, device=self.device).unsqueeze(1)  # [steps, 1]
+        pos = last_pos.unsqueeze(0) + j  # [steps, n]
+        active = (pos < capacity.unsqueeze(0)) & (pos < self.max_model_len)
+        pos = torch.where(active, pos, 0)
+        nb = min(block_table.shape[1], self.max_blocks)
+        rows = torch.arange(n, device=self.device).unsqueeze(0).expand(steps, n)
+        ids = block_table[:n, :nb][rows, (pos // block_size).clamp_(max=nb - 1)].long()  # [steps, n]
+        self.plan_i64[:steps, 0, :n] = pos
+        self.plan_i64[:steps, 1, :n] = torch.where(active, ids * block_size + pos % block_size, -1)
+        self.plan_i64[:steps, 0, n:bs] = 0
+        self.plan_i64[:steps, 1, n:bs] = -1
+        self.plan_i32[:steps, :n] = torch.where(active, pos + 1, 1)
+        self.plan_i32[:steps, n:bs] = 1
+        self.block_table[:n, :nb].copy_(block_table[:n, :nb])
+        self.block_table[n:bs].zero_()
+        self._replay(bs, n, steps, tokens, hidden, out)
+
+    def _replay(
+        self, bs: int, n: int, steps: int, tokens: torch.Tensor, hidden: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        """The planned steps (plan_i64 / plan_i32 / block_table filled), graph ``bs`` replayed once a step."""
         self.input_ids[:n].copy_(tokens)
         self.hidden[:n].copy_(hidden)
         graph = self.graphs[bs]
@@ -404,13 +442,16 @@ class CatchUpGraphs:
         self.max_model_len = max_model_len
         self.device = device
         self.cuda = device.type == "cuda"
-        # i64 [input_ids (t) | positions (t) | slots (t) | hidden rows (t)], i32 [seq_lens (b) | qsl (b + 1) | table]
-        self.dev_i64 = torch.zeros(4 * t, dtype=torch.long, device=device)
+        # i64 [input_ids (t) | positions (t) | slots (t) | hidden rows (t) | each request's output row (b)],
+        # i32 [seq_lens (b) | qsl (b + 1) | table]
+        self.dev_i64 = torch.zeros(4 * t + b, dtype=torch.long, device=device)
         self.dev_i32 = torch.zeros(2 * b + 1 + b * mb, dtype=torch.int32, device=device)
         self.input_ids = self.dev_i64[:t]
         self.positions = self.dev_i64[t : 2 * t]
         self.slot_mapping = self.dev_i64[2 * t : 3 * t]
-        self.hidden_rows = self.dev_i64[3 * t :]
+        self.hidden_rows = self.dev_i64[3 * t : 4 * t]
+        self.out_rows = self.dev_i64[4 * t :]  # the row whose hidden makes a request's draft 1 (its last kept)
+        self.row_starts = torch.arange(b, device=device) * q  # [b] each request's first row in a full pass
         self.seq_lens = self.dev_i32[:b]
         self.query_start_loc = self.dev_i32[b : 2 * b + 1]
         self.block_table = self.dev_i32[2 * b + 1 :].view(b, mb)
@@ -419,7 +460,7 @@ class CatchUpGraphs:
         # One pinned host twin each: a proposal's copies have run before the next one (the target's step between
         # them is waited for: its sampled tokens are read back).
         pin = self.cuda
-        self.host_i64 = torch.zeros(4 * t, dtype=torch.long, pin_memory=pin)
+        self.host_i64 = torch.zeros(4 * t + b, dtype=torch.long, pin_memory=pin)
         self.host_i32 = torch.zeros(self.dev_i32.numel(), dtype=torch.int32, pin_memory=pin)
         self.graphs: dict[int, Any] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -462,7 +503,7 @@ class CatchUpGraphs:
         out = self.pass_fn(
             self.input_ids[:rows], self.hidden[:rows], self.positions[:rows], self._metadata(bs)
         )
-        last = torch.index_select(out, 0, self.query_start_loc[1 : bs + 1].long() - 1)  # [bs, H] last rows
+        last = torch.index_select(out, 0, self.out_rows[:bs])  # [bs, H] each request's last kept row
         return last, self.first_fn(last)
 
     @torch.inference_mode()
@@ -519,6 +560,8 @@ class CatchUpGraphs:
         qsl = h32[b : 2 * b + 1]
         qsl[: n + 1] = inputs.query_start_loc
         qsl[n + 1 : bs + 1] = num_tokens
+        h64[4 * t : 4 * t + n] = inputs.query_start_loc[1:] - 1  # the last row of each request's tokens
+        h64[4 * t + n : 4 * t + bs] = 0
         nb = min(inputs.block_table.shape[1], mb)
         table = h32[2 * b + 1 :].reshape(b, mb)
         table[:n, :nb] = inputs.block_table[:, :nb]
@@ -527,6 +570,40 @@ class CatchUpGraphs:
         end = 2 * b + 1 + bs * mb
         self.dev_i32[:end].copy_(self.host_i32[:end], non_blocking=True)
         torch.index_select(target_hidden, 0, self.hidden_rows[:num_tokens], out=self.hidden[:num_tokens])
+        self.graphs[bs].replay()
+        self.num_replays[bs] = self.num_replays.get(bs, 0) + 1
+        last, first = self.outputs[bs]
+        return last[:n], first[:n]
+
+    def run_verified(
+        self,
+        verify: Any,  # the target's CudaGraphRunner, whose multi-token graph of ``bs`` requests ran the step
+        n: int,
+        tokens: torch.Tensor,  # [n, q] int64 the step's sampled tokens (accepted drafts, one more, -1 padding)
+        num_accepted: torch.Tensor,  # [n] int64
+        target_hidden: torch.Tensor,  # [n * q, H_in] the step's hidden rows (its graph's output)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pass after a verification step of ``q`` tokens a request, without the host: over every position
+        the step computed, each fed the token sampled after it (rows past a request's accepted drafts feed the
+        head tokens that were not kept: its KV there is rewritten by the next pass before anything reads it, and
+        causal attention keeps those rows out of the kept ones). Positions, slots, context lengths and block table
+        are the step's own, copied from the verification graph's static inputs; draft 1 comes from the row of
+        the last accepted draft. Returns each request's hidden ``[n, H]`` and draft 1 ``[n]``, as ``run``."""
+        q = self.q
+        bs = self.padded_size(n)
+        rows, nt = bs * q, n * q
+        self.input_ids[:nt].copy_(tokens.reshape(nt))
+        self.input_ids[:nt].clamp_(min=0)
+        self.input_ids[nt:rows].zero_()
+        self.positions[:rows].copy_(verify.positions[:rows])
+        self.slot_mapping[:rows].copy_(verify.slot_mapping[0, :rows])
+        self.seq_lens[:bs].copy_(verify.seq_lens[:bs])
+        self.query_start_loc[: bs + 1].copy_(verify.spec_query_start_loc[: bs + 1])
+        mb = min(self.max_blocks, verify.max_blocks)
+        self.block_table[:bs, :mb].copy_(verify.block_table[:bs, 0, :mb])
+        self.hidden[:nt].copy_(target_hidden[:nt])
+        torch.add(self.row_starts[:n], num_accepted, out=self.out_rows[:n])
+        self.out_rows[n:bs].zero_()
         self.graphs[bs].replay()
         self.num_replays[bs] = self.num_replays.get(bs, 0) + 1
         last, first = self.outputs[bs]

@@ -11,6 +11,7 @@ import math
 import operator
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,6 +67,9 @@ class StepInFlight:
     kv_connector_output: Any = None  # the KV connector's report for this step (KVConnectorOutput)
     query_start: np.ndarray | None = None  # [num_reqs + 1] offsets of each request's tokens in the step
     draft_hidden: torch.Tensor | None = None  # [num_tokens, D] hidden states an EAGLE draft reads (else None)
+    verify_graph_bs: int = 0  # a verification step that replayed the multi-token graph of this batch size
+    verify_table_width: int = 0  # ... and the block-table columns it filled there
+    device_drafts: Any = None  # the next drafts a proposer started on the device after sampling (its own type)
 
 
 class ModelRunner:
@@ -116,6 +120,9 @@ class ModelRunner:
         self.graph_runner: CudaGraphRunner | None = None
         self.piecewise: PiecewiseGraphRunner | None = None  # the other steps, up to 16k tokens
         self.allow_piecewise = True  # a draft model's runner sets False (see _piecewise_wanted)
+        # Called right after a verification step's sampling is launched, with (step, tokens [num_sampled, k + 1],
+        # accepted [num_sampled]) on the device: an EAGLE proposer queues the next drafts there (eagle.py).
+        self.after_spec_sample: Callable[[StepInFlight, torch.Tensor, torch.Tensor], None] | None = None
         self._last_step: StepInFlight | None = None  # the latest step with sampled tokens
         self.kv_connector: Any = None  # the worker side of a KV connector (register_kv_connector)
         self._next_step_id = 0
@@ -650,6 +657,9 @@ class ModelRunner:
             hidden = self.graph_runner.run(
                 input_ids, positions, slot_mapping, seq_lens, block_table, input_patch, cu
             )
+            if num_tokens > n:  # the multi-token graph (graph_runner.run): its static inputs hold this step's
+                step.verify_graph_bs = self.graph_runner.padded_size(n, self.graph_runner.q)
+                step.verify_table_width = max_blocks
         else:
             size = None if self.piecewise is None or eager_mm else self.piecewise.padded_size(num_tokens)
             qsl_cpu = torch.from_numpy(cu.astype(np.int32))
@@ -758,6 +768,8 @@ class ModelRunner:
                 step, grammar_bitmask, self.input_batch, self.sampler, self._sampling_metadata, self.device
             )
             self._hold_sampled(step, tokens, logprobs, num_accepted)
+            if self.after_spec_sample is not None:
+                self.after_spec_sample(step, tokens, num_accepted)
             return
         dev = self.device
         s_rows = step.sample_rows

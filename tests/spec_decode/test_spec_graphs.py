@@ -13,6 +13,7 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers.attention import Attention
 from pagedllm.spec_decode.head_graphs import draft_step_plan, speculation_graphs_summary
+from pagedllm.tokenizer import get_tokenizer
 from pagedllm.worker.graph_io import EagerGraph, copy_output, final_hidden, slice_rows
 from pagedllm.worker.piecewise_graphs import PiecewiseGraphRunner
 from tests.engine.test_piecewise_graphs import _EagerPieces, _graph_cls, _Log
@@ -178,6 +179,52 @@ def test_eagle_with_stand_in_graphs_matches_eager_and_plain(deep_llama, tmp_path
     assert _drafts(graphed) == _drafts(eager) and _drafts(graphed)[0] > 0
     _check_graphs_used(graphed)
     assert sum(graphed.llm_engine.engine_core.runner.piecewise.num_replays.values()) > 0
+    graphed.llm_engine.engine_core.check_integrity()
+
+
+DEMO = "pagedllm/demo_model"
+CODE = "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\n\nfor i in range(10):\n"
+
+
+@pytest.mark.parametrize("head", ["demo-eagle", "eagle3"])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_eagle_drafts_on_the_device_after_verification(deep_llama, tmp_path, head, async_scheduling):
+    """Every request speculating: after each verification step through the target's multi-token graph, the head's
+    catch-up (over all k + 1 positions) and draft steps are queued on the device behind the sampling, planned
+    there from the accepted counts. The same drafts as the host's proposals (acceptance counts), the same tokens
+    as plain decoding; requests near max_tokens and max_model_len get their drafts cut as on the host. The demo
+    target and its trained EAGLE head accept drafts (every accepted count is exercised); a random EAGLE-3 head
+    accepts none, through the other head layout."""
+    if head == "demo-eagle":
+        target, spec = DEMO, {"method": "eagle", "model": f"{DEMO}/eagle", "num_speculative_tokens": 3}
+        code = get_tokenizer(DEMO).encode(CODE, add_special_tokens=False)
+        prompts = [code[:9], code[5:30], code[12:]] + [(code * 5)[:100]]
+    else:
+        target = deep_llama
+        spec = {"method": "eagle3", "model": make_eagle_head(deep_llama, tmp_path / head, head), "num_speculative_tokens": 3}
+        prompts = PROMPTS[1:] + [list(range(60, 160))]
+    # the last prompt ends at max_model_len (128): its drafts are cut there
+    params = [SamplingParams(temperature=0.0, max_tokens=20 - 2 * i, ignore_eos=True) for i in range(len(prompts))]
+    params[-1] = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+
+    def run(llm: LLM) -> list[list[int]]:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+    plain = run(_llm(target, None))
+    host = _llm(target, spec, async_scheduling=async_scheduling)
+    install_stand_in_graphs(host, piecewise=False)
+    host.llm_engine.engine_core.runner.after_spec_sample = None  # every proposal on the host
+    want = run(host)
+    graphed = _llm(target, spec, async_scheduling=async_scheduling)
+    install_stand_in_graphs(graphed, piecewise=False)
+    got = run(graphed)
+    assert got == want == plain
+    assert len(got[-1]) == 128 - 100  # stopped by max_model_len
+    assert _drafts(graphed) == _drafts(host)
+    assert _drafts(graphed)[1] > 0 if head == "demo-eagle" else _drafts(graphed)[0] > 0
+    assert graphed.llm_engine.engine_core.proposer.num_device_proposals > 0
+    assert host.llm_engine.engine_core.proposer.num_device_proposals == 0
     graphed.llm_engine.engine_core.check_integrity()
 
 
