@@ -19,9 +19,11 @@ tokens (k drafts: verification); the prefill and the last steps, where drafts ar
 - ``t_plain_ms``: one plain decode step at batch B, from ``ModelRunner.launch`` to the end of ``ModelRunner.sample``
   (input preparation, the forward, the logits, sampling).
 - ``t_verify_ms``: the same interval of a verification step of the speculative engine (the forward over k + 1
-  tokens a request, the logits of each, rejection sampling).
-- ``t_propose_ms``: one call of the EAGLE proposer's ``propose`` after a verification step: the head's catch-up
-  pass over the kept positions (draft 1), then drafts 2..k, read back to the host (it ends in a device sync).
+  tokens a request, the logits of each, rejection sampling), up to the proposal queued behind it.
+- ``t_propose_ms``: one EAGLE proposal after a verification step: the head's catch-up pass (draft 1), then drafts
+  2..k, copied to the host. After a step through the target's multi-token graph the proposal is queued on the
+  device right after the sampling (``EagleProposer.draft_on_device``): the interval runs from there to the end of
+  the drafts' copy. Otherwise it is one call of the proposer's ``propose`` (on the host; it ends in a device sync).
 - ``verify_over_plain`` = t_verify / t_plain, ``propose_over_plain`` = t_propose / t_plain.
 - ``implied_speedup`` at mean acceptance length MAL (tokens a verification step emits):
   ``MAL * t_plain / (t_verify + t_propose)``: plain decoding emits one token per t_plain; speculation emits MAL
@@ -95,6 +97,12 @@ class FullStepTimer:
         self._wrap(core.runner, "sample", self._on_sample)
         if core.proposer is not None:
             self._wrap(core.proposer, "propose", self._on_propose)
+        # An EAGLE proposal queued on the device right after a verification's sampling (the runner's hook): its
+        # interval runs from the end of the sampling to the end of the drafts' copy to the host.
+        self._hook = getattr(core.runner, "after_spec_sample", None)
+        self._runner = core.runner
+        if self._hook is not None:
+            core.runner.after_spec_sample = self._on_device_proposal
         self._wrap(llm_engine, "step", self._on_engine_step)
 
     def is_full(self, sched: Any) -> bool:
@@ -127,9 +135,20 @@ class FullStepTimer:
             self._open = None
         return out
 
+    def _on_device_proposal(self, step: Any, *args: Any) -> None:
+        if self._open is None:  # not a full step
+            return self._hook(step, *args)
+        start = self._mark()
+        self.marks["step"].append((self._open, start))
+        self._open = None
+        self._hook(step, *args)
+        if step.device_drafts is not None:
+            self.marks["propose"].append((start, self._mark()))
+
     def _on_propose(self, fn: Any, requests: Any, sched: Any = None, *args: Any, **kwargs: Any) -> Any:
-        if sched is None or not self.is_full(sched):
-            return fn(requests, sched, *args, **kwargs)
+        step = args[0] if args else kwargs.get("step")
+        if sched is None or not self.is_full(sched) or getattr(step, "device_drafts", None) is not None:
+            return fn(requests, sched, *args, **kwargs)  # (a device proposal was timed at its launch)
         start = self._mark()
         out = fn(requests, sched, *args, **kwargs)
         self.marks["propose"].append((start, self._mark()))
@@ -148,6 +167,8 @@ class FullStepTimer:
         ``warmup_steps`` of each dropped."""
         for obj, name in self._originals:
             delattr(obj, name)  # the instance attribute shadowed the class's method
+        if self._hook is not None:
+            self._runner.after_spec_sample = self._hook
         if self.cuda:
             torch.cuda.synchronize()
         times = {

@@ -98,3 +98,28 @@ def test_random_head_weights_written_and_loaded(tiny_llama, tmp_path, monkeypatc
     _check(rec)
     assert rec["enforce_eager"] is True
     assert rec["batch_size"] == 1 and rec["load_format"] == "auto"
+
+
+def test_timer_counts_a_proposal_queued_on_the_device_once(tiny_llama, tmp_path):
+    """With the target's verification graphs (stand-ins on the CPU) an EAGLE proposal is queued by the runner's
+    hook right after sampling: the timer closes the verification interval there, times the proposal from there,
+    and does not count the ``propose`` call that only reads those drafts back; stopping restores the hook."""
+    from pagedllm import LLM, SamplingParams
+    from tests.spec_decode.test_eagle import make_eagle_head
+    from tests.spec_decode.test_spec_graphs import install_stand_in_graphs
+
+    head = make_eagle_head(tiny_llama, tmp_path / "head", "eagle")
+    llm = LLM(
+        tiny_llama, dtype="float32", device="cpu", max_model_len=128, block_size=4,
+        speculative_config={"method": "eagle", "model": head, "num_speculative_tokens": 3},
+    )  # fmt: skip
+    install_stand_in_graphs(llm, piecewise=False)
+    core = llm.llm_engine.engine_core
+    hook = core.runner.after_spec_sample
+    timer = spec_cost.FullStepTimer(llm.llm_engine, batch_size=2, query_len=4)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": [5, 6, 7, 8, 9]}, {"prompt_token_ids": [30, 31, 32]}], params, use_tqdm=False)
+    times = timer.stop(warmup_steps=0)
+    assert core.proposer.num_device_proposals > 0
+    assert 0 < len(times["propose"]) == len(times["step"]) == core.proposer.num_device_proposals
+    assert core.runner.after_spec_sample == hook
