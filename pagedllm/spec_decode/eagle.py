@@ -123,6 +123,8 @@ class EagleProposer:
         self.step_graphs: DraftStepGraphs | None = None
         self.catch_up_graphs: CatchUpGraphs | None = None
         self.num_device_proposals = 0  # proposals queued on the device after a verification step
+        self._host_drafts: torch.Tensor | None = None  # [max batch, k] pinned: where they are read back
+        self._drafts_ready: Any = None  # a CUDA event recorded after their copy
 
     def _whole_tables(self, config: EngineConfig) -> tuple[torch.nn.Module, torch.nn.Module | None]:
         """Unsharded copies of the target's embedding and (EAGLE-1, whose logits are the target's) LM head, read
@@ -236,21 +238,18 @@ class EagleProposer:
             # Each request's last position after this step: its first position in it plus the tokens it emits.
             last_pos = verify.positions[: n * graphs.q : graphs.q] + num_accepted + 1  # [n]
             self.step_graphs.run_on_device(
-                self.step_graphs.padded_size(n),
-                last_pos,
-                torch.from_numpy(capacity).to(self.device, non_blocking=True),
-                verify.block_table[:n, 0, :nb],
-                self.block_size,
-                first,
-                last,
-                drafts[:, 1:],
+                last_pos, capacity, verify.block_table[:n, 0, :nb], first, last, drafts[:, 1:]
             )
         host = drafts
         event = None
         if self.device.type == "cuda":
-            host = torch.empty(drafts.shape, dtype=torch.long, pin_memory=True)
+            # One pinned buffer and event: a proposal's drafts are read (propose) before the next one is queued.
+            if self._host_drafts is None:
+                self._host_drafts = torch.empty(graphs.max_bs, self.k, dtype=torch.long, pin_memory=True)
+                self._drafts_ready = torch.cuda.Event()
+            host = self._host_drafts[:n]
             host.copy_(drafts, non_blocking=True)
-            event = torch.cuda.Event()
+            event = self._drafts_ready
             event.record()
         step.device_drafts = (host, event, capacity)
         self.num_device_proposals += 1
@@ -284,6 +283,7 @@ class EagleProposer:
             _cdiv(self.max_model_len, self.block_size),
             self.max_model_len,
             self.device,
+            self.block_size,
         )
 
     # ------------------------------------------------------------------ per step
@@ -399,11 +399,10 @@ class EagleProposer:
             ids = self.kv.get_block_ids(request.request_id)[:num_blocks]
             table[i, : len(ids)] = ids
         graphs = self.step_graphs
-        bs = None if graphs is None else graphs.padded_size(m)
-        plan = draft_step_plan(last_pos, ks, table, self.block_size, rows=bs, steps=out.shape[1])
-        if bs is not None:
-            graphs.run(plan, tokens, hidden, out)
+        if graphs is not None and graphs.padded_size(m) in graphs.graphs:
+            graphs.run(last_pos, ks, table, tokens, hidden, out)
         else:
+            plan = draft_step_plan(last_pos, ks, table, self.block_size, steps=out.shape[1])
             run_draft_steps(self._draft_step, plan, tokens, hidden, out, self.device)
 
     def _head_pass(

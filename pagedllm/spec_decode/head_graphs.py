@@ -166,40 +166,48 @@ class DraftStepGraphs:
         max_blocks_per_req: int,
         max_model_len: int,
         device: torch.device,
+        block_size: int,
         graph_cls: Callable[[], Any] | None = None,
     ) -> None:
         """``step_fn``: one draft step (see ``StepFn``); ``max_steps``: the most steps a plan has (k - 1).
         ``graph_cls``: the graph type (``torch.cuda.CUDAGraph``; None where there is no GPU: ``EagerGraph``
-        stand-ins that run ``step_fn`` again at each replay)."""
+        stand-ins that run ``step_fn`` again at each replay).
+
+        Each graph plans its own step on the device: step j (``step_idx``, counted up by the graph) runs request
+        r at ``last_pos[r] + j`` while that is below ``limit[r]``, and rests otherwise (position 0, no slot,
+        context 1), its slot read from ``block_table``. So a proposal's host work is filling ``last_pos``,
+        ``limit`` and ``block_table`` (from the host, or on the device after a verification step), then one
+        replay a step."""
         self.step_fn = step_fn
         self.sizes = capture_sizes(max_num_seqs)
         self.max_bs = b = self.sizes[-1]
         self.max_steps = max(max_steps, 1)
         self.max_model_len = max_model_len
         self.max_blocks = mb = max_blocks_per_req
+        self.block_size = block_size
         self.device = device
         self.cuda = device.type == "cuda"
         self.graph_cls = graph_cls if graph_cls is not None else (torch.cuda.CUDAGraph if self.cuda else None)
-        # Static inputs: i64 [input_ids (b) | positions (b) | slots (b)], i32 [seq_lens (b) | qsl (b + 1) | table]
-        self.dev_i64 = torch.zeros(3 * b, dtype=torch.long, device=device)
-        self.dev_i32 = torch.zeros(2 * b + 1 + b * mb, dtype=torch.int32, device=device)
+        # Static inputs. i64 [input_ids (b) | last_pos (b) | limit (b) | step_idx (1)] and i32 [qsl (b + 1) |
+        # table]; a proposal fills last_pos, limit and the table, the graphs the rest. Written by the graphs:
+        # positions, slots and seq_lens (each step's plan).
+        self.dev_i64 = torch.zeros(3 * b + 1, dtype=torch.long, device=device)
+        self.dev_i32 = torch.zeros(b + 1 + b * mb, dtype=torch.int32, device=device)
         self.input_ids = self.dev_i64[:b]
-        self.positions = self.dev_i64[b : 2 * b]
-        self.slot_mapping = self.dev_i64[2 * b :]
-        self.seq_lens = self.dev_i32[:b]
-        self.query_start_loc = self.dev_i32[b : 2 * b + 1]
-        self.block_table = self.dev_i32[2 * b + 1 :].view(b, mb)
+        self.last_pos = self.dev_i64[b : 2 * b]
+        self.limit = self.dev_i64[2 * b : 3 * b]
+        self.step_idx = self.dev_i64[3 * b :]
+        self.query_start_loc = self.dev_i32[: b + 1]
+        self.block_table = self.dev_i32[b + 1 :].view(b, mb)
+        self.positions = torch.zeros(b, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((b,), -1, dtype=torch.long, device=device)
+        self.seq_lens = torch.ones(b, dtype=torch.int32, device=device)
         self.hidden = torch.zeros(b, hidden_size, dtype=dtype, device=device)
         self.query_start_loc.copy_(torch.arange(b + 1, dtype=torch.int32, device=device))
-        self.slot_mapping.fill_(-1)
-        self.seq_lens.fill_(1)
-        # A plan's steps on the device, copied once a proposal: i64 [steps, 2, b] (positions, slots), i32 [steps, b]
-        # (seq_lens). One pinned host twin each: the proposal ends by reading the drafts back, after every copy.
-        self.plan_i64 = torch.zeros(self.max_steps, 2, b, dtype=torch.long, device=device)
-        self.plan_i32 = torch.zeros(self.max_steps, b, dtype=torch.int32, device=device)
+        # The host path's pinned twin of [last_pos | limit] and of the table: the proposal ends by reading the
+        # drafts back, after every copy, so one each is enough.
         pin = self.cuda
-        self.host_plan_i64 = torch.zeros(self.max_steps, 2, b, dtype=torch.long, pin_memory=pin)
-        self.host_plan_i32 = torch.zeros(self.max_steps, b, dtype=torch.int32, pin_memory=pin)
+        self.host_i64 = torch.zeros(2 * b, dtype=torch.long, pin_memory=pin)
         self.host_table = torch.zeros(b, mb, dtype=torch.int32, pin_memory=pin)
         self.graphs: dict[int, Any] = {}
         self.num_replays: dict[int, int] = {}
@@ -221,13 +229,27 @@ class DraftStepGraphs:
             host,
         )
 
+    def _plan(self, bs: int) -> None:
+        """Step ``step_idx``'s positions, slots and context lengths of the first ``bs`` rows (see __init__)."""
+        pos = self.last_pos[:bs] + self.step_idx  # [bs]
+        active = pos < self.limit[:bs]
+        pos = torch.where(active, pos, 0)
+        blocks = self.block_table[:bs].gather(1, (pos // self.block_size).unsqueeze(1)).squeeze(1)  # [bs]
+        slots = blocks.long() * self.block_size + pos % self.block_size
+        self.positions[:bs].copy_(pos)
+        self.slot_mapping[:bs].copy_(torch.where(active, slots, -1))
+        self.seq_lens[:bs].copy_(torch.where(active, pos + 1, 1))
+
     def _step(self, bs: int) -> None:
-        """One draft step over the static buffers' first ``bs`` rows, its results written back into them."""
+        """One draft step over the static buffers' first ``bs`` rows: its plan, the head, its results written
+        back into the buffers, and the step counted."""
+        self._plan(bs)
         hidden, tokens = self.step_fn(
             self.input_ids[:bs], self.hidden[:bs], self.positions[:bs], self._metadata(bs)
         )
         self.hidden[:bs].copy_(hidden)
         self.input_ids[:bs].copy_(tokens)
+        self.step_idx.add_(1)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -260,68 +282,62 @@ class DraftStepGraphs:
             time.perf_counter() - start,
         )
 
-    def run(self, plan: DraftStepPlan, tokens: torch.Tensor, hidden: torch.Tensor, out: torch.Tensor) -> None:
-        """As :func:`run_draft_steps`, replaying the graph of the plan's padded batch size (``plan`` padded
-        to it: ``draft_step_plan(..., rows=padded_size(n))``)."""
-        n = plan.num_reqs
-        bs = plan.positions.shape[1]
-        steps = plan.positions.shape[0]
-        assert bs in self.graphs and steps <= self.max_steps
-        nb = min(plan.block_table.shape[1], self.max_blocks)
-        hp64, hp32 = self.host_plan_i64.numpy(), self.host_plan_i32.numpy()
-        hp64[:steps, 0, :bs] = plan.positions
-        hp64[:steps, 1, :bs] = plan.slot_mapping
-        hp32[:steps, :bs] = plan.seq_lens
-        self.host_table.numpy()[:bs, :nb] = plan.block_table[:, :nb]
-        self.plan_i64[:steps].copy_(self.host_plan_i64[:steps], non_blocking=True)
-        self.plan_i32[:steps].copy_(self.host_plan_i32[:steps], non_blocking=True)
-        self.block_table[:bs].copy_(self.host_table[:bs], non_blocking=True)
-        self._replay(bs, n, steps, tokens, hidden, out)
-
-    def run_on_device(
+    def run(
         self,
-        bs: int,  # the padded batch size (padded_size(n))
-        last_pos: torch.Tensor,  # [n] int64 each request's last position: step j runs it at last_pos + j
-        capacity: torch.Tensor,  # [n] int64 positions below this have a slot in the request's blocks
-        block_table: torch.Tensor,  # [>= n, nb] int32 the requests' block ids (columns past capacity unread)
-        block_size: int,
+        last_pos: np.ndarray,  # [n] int64 each request's last position: step j runs it at last_pos + j
+        num_drafts: np.ndarray,  # [n] drafts each request gets (>= 1): it runs steps j < num_drafts - 1
+        block_table: np.ndarray,  # [n, nb] int32 its block ids, covering those steps' positions
         tokens: torch.Tensor,  # [n] draft 1
         hidden: torch.Tensor,  # [n, H] the head's hidden that made it
         out: torch.Tensor,  # [n, steps] step j's drafts go to out[:, j]
     ) -> None:
-        """As ``run``, with the plan made on the device from positions known only there (after a verification
-        step, before the host reads it): every request runs every step; a step at or past its capacity (or
-        max_model_len) rests (position 0, no slot, context 1), and its drafts from then on are not to be used."""
+        """As :func:`run_draft_steps` over ``draft_step_plan(last_pos, num_drafts, block_table, ...)``, replaying
+        the graph of the padded batch size (``padded_size(n)``, captured)."""
         n, steps = out.shape
-        j = torch.arange(steps, device=self.device).unsqueeze(1)  # [steps, 1]
-        pos = last_pos.unsqueeze(0) + j  # [steps, n]
-        active = (pos < capacity.unsqueeze(0)) & (pos < self.max_model_len)
-        pos = torch.where(active, pos, 0)
-        nb = min(block_table.shape[1], self.max_blocks)
-        rows = torch.arange(n, device=self.device).unsqueeze(0).expand(steps, n)
-        ids = block_table[:n, :nb][rows, (pos // block_size).clamp_(max=nb - 1)].long()  # [steps, n]
-        self.plan_i64[:steps, 0, :n] = pos
-        self.plan_i64[:steps, 1, :n] = torch.where(active, ids * block_size + pos % block_size, -1)
-        self.plan_i64[:steps, 0, n:bs] = 0
-        self.plan_i64[:steps, 1, n:bs] = -1
-        self.plan_i32[:steps, :n] = torch.where(active, pos + 1, 1)
-        self.plan_i32[:steps, n:bs] = 1
+        bs = self.padded_size(n)
+        assert bs in self.graphs and steps <= self.max_steps
+        b, nb = self.max_bs, min(block_table.shape[1], self.max_blocks)
+        h64 = self.host_i64.numpy()
+        h64[:n] = last_pos
+        h64[b : b + n] = last_pos + num_drafts - 1
+        h64[b + n : b + bs] = 0  # padding rows rest
+        self.host_table.numpy()[:n, :nb] = block_table[:, :nb]
+        self.dev_i64[b : 3 * b].copy_(self.host_i64, non_blocking=True)
+        self.block_table[:n].copy_(self.host_table[:n], non_blocking=True)
+        self._replay(bs, n, steps, tokens, hidden, out)
+
+    def run_on_device(
+        self,
+        last_pos: torch.Tensor,  # [n] int64 each request's last position: step j runs it at last_pos + j
+        limit: np.ndarray,  # [n] int64 positions from this one on have no slot (capacity, max_model_len)
+        block_table: torch.Tensor,  # [>= n, nb] int32 the requests' block ids (columns from limit on unread)
+        tokens: torch.Tensor,  # [n] draft 1
+        hidden: torch.Tensor,  # [n, H] the head's hidden that made it
+        out: torch.Tensor,  # [n, steps] step j's drafts go to out[:, j]
+    ) -> None:
+        """As ``run``, with positions known only on the device (after a verification step, before the host has
+        read it): every request runs every step until ``limit``; its drafts from a resting step on are not to
+        be used."""
+        n, steps = out.shape
+        bs = self.padded_size(n)
+        b, nb = self.max_bs, min(block_table.shape[1], self.max_blocks)
+        h64 = self.host_i64.numpy()
+        h64[b : b + n] = np.minimum(limit, self.max_model_len)
+        h64[b + n : b + bs] = 0
+        self.limit.copy_(self.host_i64[b:], non_blocking=True)
+        self.last_pos[:n].copy_(last_pos)
         self.block_table[:n, :nb].copy_(block_table[:n, :nb])
-        self.block_table[n:bs].zero_()
         self._replay(bs, n, steps, tokens, hidden, out)
 
     def _replay(
         self, bs: int, n: int, steps: int, tokens: torch.Tensor, hidden: torch.Tensor, out: torch.Tensor
     ) -> None:
-        """The planned steps (plan_i64 / plan_i32 / block_table filled), graph ``bs`` replayed once a step."""
+        """The steps, graph ``bs`` replayed once a step (last_pos, limit and the table filled)."""
         self.input_ids[:n].copy_(tokens)
         self.hidden[:n].copy_(hidden)
+        self.step_idx.zero_()
         graph = self.graphs[bs]
         for j in range(steps):
-            self.dev_i64[self.max_bs : 3 * self.max_bs].view(2, self.max_bs)[:, :bs].copy_(
-                self.plan_i64[j, :, :bs]
-            )
-            self.seq_lens[:bs].copy_(self.plan_i32[j, :bs])
             graph.replay()
             out[:, j] = self.input_ids[:n]
         self.num_replays[bs] = self.num_replays.get(bs, 0) + steps
@@ -592,9 +608,7 @@ class CatchUpGraphs:
         q = self.q
         bs = self.padded_size(n)
         rows, nt = bs * q, n * q
-        self.input_ids[:nt].copy_(tokens.reshape(nt))
-        self.input_ids[:nt].clamp_(min=0)
-        self.input_ids[nt:rows].zero_()
+        torch.clamp(tokens.reshape(nt), min=0, out=self.input_ids[:nt])  # (padding rows: any token, unread)
         self.positions[:rows].copy_(verify.positions[:rows])
         self.slot_mapping[:rows].copy_(verify.slot_mapping[0, :rows])
         self.seq_lens[:bs].copy_(verify.seq_lens[:bs])
@@ -602,8 +616,7 @@ class CatchUpGraphs:
         mb = min(self.max_blocks, verify.max_blocks)
         self.block_table[:bs, :mb].copy_(verify.block_table[:bs, 0, :mb])
         self.hidden[:nt].copy_(target_hidden[:nt])
-        torch.add(self.row_starts[:n], num_accepted, out=self.out_rows[:n])
-        self.out_rows[n:bs].zero_()
+        torch.add(self.row_starts[:n], num_accepted, out=self.out_rows[:n])  # (padding rows: a valid row)
         self.graphs[bs].replay()
         self.num_replays[bs] = self.num_replays.get(bs, 0) + 1
         last, first = self.outputs[bs]
