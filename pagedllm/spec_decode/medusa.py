@@ -72,6 +72,9 @@ class MedusaProposer:
             heads.target_lm_head = runner.model.compute_logits  # the target's own LM head (one process)
         self.heads = heads.eval()
         self.head_graphs: RowGraphs | None = None
+        self.num_device_proposals = 0  # proposals queued on the device after a verification step
+        self._host_drafts: torch.Tensor | None = None  # [max batch, k] pinned: where they are read back
+        self._drafts_ready: Any = None  # a CUDA event recorded after their copy
 
     def kv_block_bytes(self) -> int:
         return 0
@@ -96,6 +99,35 @@ class MedusaProposer:
             with compile_watch.start_up():  # the warm-up's compiles are start-up's
                 self.head_graphs.capture()
         self.graphs_summary = log_speculation_graphs("medusa", runner, heads=self.head_graphs)
+        from pagedllm.worker.model_runner import ModelRunner
+
+        if self.head_graphs is not None and type(runner) is ModelRunner:  # (not tensor-parallel workers)
+            runner.after_spec_sample = self.draft_on_device
+
+    @torch.inference_mode()
+    def draft_on_device(self, step: Any, tokens: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        """The runner's hook right after a verification step's sampling: when every request of the step sampled,
+        queue the heads' pass over each request's last kept row (its first row plus its accepted drafts, known
+        on the device) and the drafts' copy to the host, so that the next proposal waits for nothing more than
+        the step itself. ``propose`` then only reads them back."""
+        n = len(step.req_ids)
+        bs = self.head_graphs.padded_size(n)
+        if step.draft_hidden is None or len(step.sample_req_ids) != n or bs not in self.head_graphs.graphs:
+            return
+        first_rows = torch.from_numpy(step.query_start[:-1]).to(self.device, non_blocking=True)  # [n]
+        drafts = self.head_graphs.run(step.draft_hidden[first_rows + num_accepted])  # [n, k]
+        host, event = drafts, None
+        if self.device.type == "cuda":
+            # One pinned buffer and event: a proposal's drafts are read (propose) before the next one is queued.
+            if self._host_drafts is None:
+                self._host_drafts = torch.empty(self.head_graphs.max_bs, self.k, dtype=torch.long, pin_memory=True)
+                self._drafts_ready = torch.cuda.Event()
+            host = self._host_drafts[:n]
+            host.copy_(drafts, non_blocking=True)
+            event = self._drafts_ready
+            event.record()
+        step.device_drafts = (host, event)
+        self.num_device_proposals += 1
 
     def _drafts(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, k]`` the k heads' drafts over ``hidden`` [n, H] (argmax)."""
@@ -110,6 +142,9 @@ class MedusaProposer:
         result: ModelRunnerOutput | None = None,
     ) -> None:
         if sched is None or step is None or step.draft_hidden is None:
+            return
+        if step.device_drafts is not None:
+            self._take_device_drafts(requests, step)
             return
         live = {r.request_id: r for r in requests}
         rows, chosen = [], []  # the hidden row of each request given drafts; (request, number of drafts)
@@ -136,3 +171,22 @@ class MedusaProposer:
             drafts = self.heads(hidden, num_heads).argmax(dim=-1).T.tolist()  # [m][num_heads]
         for (request, k), d in zip(chosen, drafts):
             request.spec_token_ids = d[:k]
+
+    def _take_device_drafts(self, requests: Sequence[Request], step: Any) -> None:
+        """The drafts ``draft_on_device`` made for ``step``'s requests, cut to what ``num_drafts_allowed``
+        allows (every request of the step sampled: its last kept position made its newest token)."""
+        host, event = step.device_drafts
+        step.device_drafts = None
+        if event is not None:
+            event.synchronize()
+        index = {req_id: i for i, req_id in enumerate(step.req_ids)}
+        drafts = None
+        for request in requests:
+            i = index.get(request.request_id)
+            if i is None or not can_speculate(request):
+                continue
+            k = num_drafts_allowed(request, self.k, self.max_model_len)
+            if k > 0:
+                if drafts is None:
+                    drafts = host.tolist()
+                request.spec_token_ids = drafts[i][:k]

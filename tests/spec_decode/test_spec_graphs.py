@@ -186,17 +186,19 @@ DEMO = "pagedllm/demo_model"
 CODE = "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\n\nfor i in range(10):\n"
 
 
-@pytest.mark.parametrize("head", ["demo-eagle", "eagle3"])
+@pytest.mark.parametrize("head", ["demo-eagle", "eagle3", "demo-medusa"])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_eagle_drafts_on_the_device_after_verification(deep_llama, tmp_path, head, async_scheduling):
+def test_head_drafts_on_the_device_after_verification(deep_llama, tmp_path, head, async_scheduling):
     """Every request speculating: after each verification step through the target's multi-token graph, the head's
     catch-up (over all k + 1 positions) and draft steps are queued on the device behind the sampling, planned
     there from the accepted counts. The same drafts as the host's proposals (acceptance counts), the same tokens
     as plain decoding; requests near max_tokens and max_model_len get their drafts cut as on the host. The demo
     target and its trained EAGLE head accept drafts (every accepted count is exercised); a random EAGLE-3 head
-    accepts none, through the other head layout."""
-    if head == "demo-eagle":
-        target, spec = DEMO, {"method": "eagle", "model": f"{DEMO}/eagle", "num_speculative_tokens": 3}
+    accepts none, through the other head layout. Medusa's heads read each request's last kept row, queued the
+    same way (the demo target's trained heads)."""
+    if head.startswith("demo-"):
+        method = head[len("demo-") :]
+        target, spec = DEMO, {"method": method, "model": f"{DEMO}/{method}", "num_speculative_tokens": 3}
         code = get_tokenizer(DEMO).encode(CODE, add_special_tokens=False)
         prompts = [code[:9], code[5:30], code[12:]] + [(code * 5)[:100]]
     else:
@@ -222,7 +224,7 @@ def test_eagle_drafts_on_the_device_after_verification(deep_llama, tmp_path, hea
     assert got == want == plain
     assert len(got[-1]) == 128 - 100  # stopped by max_model_len
     assert _drafts(graphed) == _drafts(host)
-    assert _drafts(graphed)[1] > 0 if head == "demo-eagle" else _drafts(graphed)[0] > 0
+    assert _drafts(graphed)[1] > 0 if head.startswith("demo-") else _drafts(graphed)[0] > 0
     assert graphed.llm_engine.engine_core.proposer.num_device_proposals > 0
     assert host.llm_engine.engine_core.proposer.num_device_proposals == 0
     graphed.llm_engine.engine_core.check_integrity()
