@@ -141,19 +141,22 @@ class DraftModelProposer:
             self._sync(request, new, cached, num_sched, num_computed)
             num_sched[request.request_id] = chunk
         batch_tokens = self.runner.input_batch
-        self._run(self._sched_output(new, cached, num_sched, num_computed, finished))
+        # The catch-up pass and steps 2..k are launched back to back, each feeding the next its sampled drafts on
+        # the device (the runner's pending tokens, as under async scheduling); the host reads them all once.
+        steps = [self._launch(self._sched_output(new, cached, num_sched, num_computed, finished))]
         for request, chunk in partial:
             state = self.states[request.request_id]
             state.num_computed += chunk
             state.num_verified = request.num_tokens
-        if not chosen:
-            return
-        # Steps 2..k: one token per request that still wants drafts.
-        for j in range(1, max(k for _, k in chosen)):
-            step_reqs = [(r, k) for r, k in chosen if k > j]
-            num_sched = {r.request_id: 1 for r, _ in step_reqs}
-            num_computed = {r.request_id: r.num_tokens + j - 1 for r, _ in step_reqs}
-            self._run(self._sched_output([], [], num_sched, num_computed, set()))
+        if chosen:
+            # Steps 2..k: one token per request that still wants drafts.
+            for j in range(1, max(k for _, k in chosen)):
+                step_reqs = [(r, k) for r, k in chosen if k > j]
+                num_sched = {r.request_id: 1 for r, _ in step_reqs}
+                num_computed = {r.request_id: r.num_tokens + j - 1 for r, _ in step_reqs}
+                steps.append(self._launch(self._sched_output([], [], num_sched, num_computed, set())))
+        for step in steps:
+            self.runner.collect(step)
         for request, k in chosen:
             row = batch_tokens.req_id_to_row[request.request_id]
             num_tokens = request.num_tokens
@@ -204,10 +207,11 @@ class DraftModelProposer:
         num_sched[req_id] = num_tokens - state.num_computed
         num_computed[req_id] = state.num_computed
 
-    def _run(self, sched: SchedulerOutput) -> None:
+    def _launch(self, sched: SchedulerOutput) -> Any:
+        """One pass of the draft model, sampled on the device (read by ``collect``)."""
         step = self.runner.launch(sched)
         self.runner.sample(step)
-        self.runner.collect(step)
+        return step
 
     @staticmethod
     def _sched_output(
