@@ -133,3 +133,25 @@ def test_demo_model_with_its_eagle_head_on_graphs():
     )  # logged at start-up, printed by bench latency
     assert "verification steps (4 tokens a request) replay CUDA graphs" in summary
     assert "catch-up after verification replays" in summary and "draft head's steps replay" in summary
+
+
+@pytest.mark.parametrize("method", ["eagle", "medusa"])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_demo_drafts_queued_on_the_device_equal_the_host_path(method, async_scheduling):
+    """On real graphs, the proposals queued on the device right after sampling (the runner's after_spec_sample
+    hook) give the drafts the host path gives: the same acceptance counts, the same tokens as plain decoding."""
+    spec = {"method": method, "model": str(DEMO_MODEL_DIR / method), "num_speculative_tokens": 3}
+    prompts = [list(range(100 + 7 * i, 140 + 7 * i)) for i in range(4)]
+    plain = _generate(LLM(str(DEMO_MODEL_DIR), **KW), prompts)
+    runs = {}
+    for on_device in (False, True):
+        llm = LLM(str(DEMO_MODEL_DIR), speculative_config=spec, async_scheduling=async_scheduling, **KW)
+        core = llm.llm_engine.engine_core
+        if not on_device:
+            core.runner.after_spec_sample = None
+        assert _generate(llm, prompts) == plain
+        stats = llm.llm_engine.get_stats()
+        runs[on_device] = (stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens)
+        assert (core.proposer.num_device_proposals > 0) == on_device
+        core.check_integrity()
+    assert runs[True] == runs[False] and runs[True][1] > 0
