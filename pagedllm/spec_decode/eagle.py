@@ -34,7 +34,7 @@ from pagedllm.spec_decode.head_graphs import (
     log_speculation_graphs,
     run_draft_steps,
 )
-from pagedllm.spec_decode.proposer import can_speculate, kept_positions, num_drafts_allowed
+from pagedllm.spec_decode.proposer import DeviceDrafts, can_speculate, kept_positions, num_drafts_allowed
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -123,8 +123,7 @@ class EagleProposer:
         self.step_graphs: DraftStepGraphs | None = None
         self.catch_up_graphs: CatchUpGraphs | None = None
         self.num_device_proposals = 0  # proposals queued on the device after a verification step
-        self._host_drafts: torch.Tensor | None = None  # [max batch, k] pinned: where they are read back
-        self._drafts_ready: Any = None  # a CUDA event recorded after their copy
+        self.device_drafts: DeviceDrafts | None = None  # where a proposal queued on the device comes back
 
     def _whole_tables(self, config: EngineConfig) -> tuple[torch.nn.Module, torch.nn.Module | None]:
         """Unsharded copies of the target's embedding and (EAGLE-1, whose logits are the target's) LM head, read
@@ -212,7 +211,7 @@ class EagleProposer:
         k drafts through the target's multi-token graph, queue the next proposal behind it on the device (the
         catch-up over all k + 1 positions, ``CatchUpGraphs.run_verified``, then the draft steps planned there)
         and its copy to the host, so that neither waits for the host to learn what was accepted. ``propose``
-        then only reads the drafts back (``_take_device_drafts``). Other steps propose on the host after them."""
+        then only reads the drafts back (``DeviceDrafts.take``). Other steps propose on the host after them."""
         graphs = self.catch_up_graphs
         bs = step.verify_graph_bs
         n = len(step.req_ids)
@@ -240,18 +239,9 @@ class EagleProposer:
             self.step_graphs.run_on_device(
                 last_pos, capacity, verify.block_table[:n, 0, :nb], first, last, drafts[:, 1:]
             )
-        host = drafts
-        event = None
-        if self.device.type == "cuda":
-            # One pinned buffer and event: a proposal's drafts are read (propose) before the next one is queued.
-            if self._host_drafts is None:
-                self._host_drafts = torch.empty(graphs.max_bs, self.k, dtype=torch.long, pin_memory=True)
-                self._drafts_ready = torch.cuda.Event()
-            host = self._host_drafts[:n]
-            host.copy_(drafts, non_blocking=True)
-            event = self._drafts_ready
-            event.record()
-        step.device_drafts = (host, event, capacity)
+        if self.device_drafts is None:
+            self.device_drafts = DeviceDrafts(self.device, graphs.max_bs, self.k)
+        self.device_drafts.queue(step, drafts, capacity)
         self.num_device_proposals += 1
 
     def new_catch_up_graphs(self, q: int) -> CatchUpGraphs:
@@ -299,7 +289,7 @@ class EagleProposer:
         if sched is None or step is None or step.draft_hidden is None:
             return
         if step.device_drafts is not None:
-            self._take_device_drafts(requests, step)
+            self.device_drafts.take(requests, step, self.max_model_len)
             return
         live = {r.request_id: r for r in requests}
         # 1. Catch up over every position the target computed and kept this step.
@@ -359,26 +349,6 @@ class EagleProposer:
             self._draft_steps([request for request, _, _ in chosen], ks, first, h, drafts[:, 1:])
         for (request, _, k), d in zip(chosen, drafts.tolist()):  # the one device-to-host sync of a proposal
             request.spec_token_ids = d[:k]
-
-    def _take_device_drafts(self, requests: Sequence[Request], step: Any) -> None:
-        """The drafts ``draft_on_device`` made for ``step``'s requests, cut as the host path cuts them: to what
-        ``num_drafts_allowed`` and the request's blocks at that step allow."""
-        host, event, capacity = step.device_drafts
-        step.device_drafts = None
-        if event is not None:
-            event.synchronize()
-        index = {req_id: i for i, req_id in enumerate(step.req_ids)}
-        drafts = None
-        for request in requests:
-            i = index.get(request.request_id)
-            if i is None or not can_speculate(request):
-                continue
-            k = num_drafts_allowed(request, self.k, self.max_model_len)
-            k = min(k, int(capacity[i]) - request.num_tokens + 2)
-            if k > 0:
-                if drafts is None:
-                    drafts = host.tolist()
-                request.spec_token_ids = drafts[i][:k]
 
     def _draft_steps(
         self,

@@ -25,7 +25,7 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.spec_decode.head_graphs import RowGraphs, log_speculation_graphs
-from pagedllm.spec_decode.proposer import can_speculate, kept_positions, num_drafts_allowed
+from pagedllm.spec_decode.proposer import DeviceDrafts, can_speculate, kept_positions, num_drafts_allowed
 
 
 class MedusaProposer:
@@ -73,8 +73,7 @@ class MedusaProposer:
         self.heads = heads.eval()
         self.head_graphs: RowGraphs | None = None
         self.num_device_proposals = 0  # proposals queued on the device after a verification step
-        self._host_drafts: torch.Tensor | None = None  # [max batch, k] pinned: where they are read back
-        self._drafts_ready: Any = None  # a CUDA event recorded after their copy
+        self.device_drafts: DeviceDrafts | None = None  # where a proposal queued on the device comes back
 
     def kv_block_bytes(self) -> int:
         return 0
@@ -116,17 +115,9 @@ class MedusaProposer:
             return
         first_rows = torch.from_numpy(step.query_start[:-1]).to(self.device, non_blocking=True)  # [n]
         drafts = self.head_graphs.run(step.draft_hidden[first_rows + num_accepted])  # [n, k]
-        host, event = drafts, None
-        if self.device.type == "cuda":
-            # One pinned buffer and event: a proposal's drafts are read (propose) before the next one is queued.
-            if self._host_drafts is None:
-                self._host_drafts = torch.empty(self.head_graphs.max_bs, self.k, dtype=torch.long, pin_memory=True)
-                self._drafts_ready = torch.cuda.Event()
-            host = self._host_drafts[:n]
-            host.copy_(drafts, non_blocking=True)
-            event = self._drafts_ready
-            event.record()
-        step.device_drafts = (host, event)
+        if self.device_drafts is None:
+            self.device_drafts = DeviceDrafts(self.device, self.head_graphs.max_bs, self.k)
+        self.device_drafts.queue(step, drafts)
         self.num_device_proposals += 1
 
     def _drafts(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -144,7 +135,7 @@ class MedusaProposer:
         if sched is None or step is None or step.draft_hidden is None:
             return
         if step.device_drafts is not None:
-            self._take_device_drafts(requests, step)
+            self.device_drafts.take(requests, step, self.max_model_len)
             return
         live = {r.request_id: r for r in requests}
         rows, chosen = [], []  # the hidden row of each request given drafts; (request, number of drafts)
@@ -171,22 +162,3 @@ class MedusaProposer:
             drafts = self.heads(hidden, num_heads).argmax(dim=-1).T.tolist()  # [m][num_heads]
         for (request, k), d in zip(chosen, drafts):
             request.spec_token_ids = d[:k]
-
-    def _take_device_drafts(self, requests: Sequence[Request], step: Any) -> None:
-        """The drafts ``draft_on_device`` made for ``step``'s requests, cut to what ``num_drafts_allowed``
-        allows (every request of the step sampled: its last kept position made its newest token)."""
-        host, event = step.device_drafts
-        step.device_drafts = None
-        if event is not None:
-            event.synchronize()
-        index = {req_id: i for i, req_id in enumerate(step.req_ids)}
-        drafts = None
-        for request in requests:
-            i = index.get(request.request_id)
-            if i is None or not can_speculate(request):
-                continue
-            k = num_drafts_allowed(request, self.k, self.max_model_len)
-            if k > 0:
-                if drafts is None:
-                    drafts = host.tolist()
-                request.spec_token_ids = drafts[i][:k]

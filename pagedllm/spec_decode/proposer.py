@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
+import torch
 
 from pagedllm.config import MTP_METHODS, EngineConfig, SpeculativeConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
@@ -91,6 +92,50 @@ def kept_positions(req_id: str, sched: SchedulerOutput, result: ModelRunnerOutpu
     if drafts:
         count -= len(drafts) + 1 - len(result.sampled_token_ids.get(req_id, ()))
     return sched.num_computed_tokens[req_id], count
+
+
+class DeviceDrafts:
+    """Drafts a proposer queued on the device right after a verification step (``ModelRunner.after_spec_sample``),
+    on their way to the host: one pinned buffer and one CUDA event, reused, since a proposal's drafts are read
+    (``take``) before the next one is queued. ``queue`` hangs them on the step; ``take`` hands them out."""
+
+    def __init__(self, device: Any, max_rows: int, k: int) -> None:
+        self.k = k
+        self.cuda = device.type == "cuda"
+        self.host = torch.empty(max_rows, k, dtype=torch.long, pin_memory=self.cuda)
+        self.ready = torch.cuda.Event() if self.cuda else None
+
+    def queue(self, step: Any, drafts: torch.Tensor, capacity: np.ndarray | None = None) -> None:
+        """``drafts`` ``[n, k]`` on the device, one row per request of ``step`` (its ``req_ids`` order);
+        ``capacity`` ``[n]``: positions from which a request's blocks at that step had no slot (None: no limit)."""
+        host = drafts
+        if self.cuda:
+            host = self.host[: drafts.shape[0]]
+            host.copy_(drafts, non_blocking=True)
+            self.ready.record()
+        step.device_drafts = (host, capacity)
+
+    def take(self, requests: Sequence[Request | DraftView], step: Any, max_model_len: int) -> None:
+        """Set ``spec_token_ids`` of each request of ``requests`` that was in ``step`` and can speculate: its
+        drafts cut as the host path cuts them, to ``num_drafts_allowed`` and (drafts 2.. run the head at positions
+        num_tokens - 1 ..) its capacity."""
+        host, capacity = step.device_drafts
+        step.device_drafts = None
+        if self.cuda:
+            self.ready.synchronize()
+        index = {req_id: i for i, req_id in enumerate(step.req_ids)}
+        drafts = None
+        for request in requests:
+            i = index.get(request.request_id)
+            if i is None or not can_speculate(request):
+                continue
+            k = num_drafts_allowed(request, self.k, max_model_len)
+            if capacity is not None:
+                k = min(k, int(capacity[i]) - request.num_tokens + 2)
+            if k > 0:
+                if drafts is None:
+                    drafts = host.tolist()
+                request.spec_token_ids = drafts[i][:k]
 
 
 class Proposer(Protocol):
