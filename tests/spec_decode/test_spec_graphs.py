@@ -6,6 +6,8 @@ graphs) are in test_spec_graphs_gpu.py."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -289,3 +291,33 @@ def test_startup_summary_names_the_graphs(deep_llama, tmp_path):
     assert "piecewise CUDA graphs up to 32 tokens" in line
     assert "draft head's steps replay CUDA graphs for batch sizes 1..8" in line
     assert "catch-up after verification replays CUDA graphs for batch sizes 1..8" in line
+
+
+@pytest.mark.parametrize("method", ["eagle", "medusa"])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_device_drafts_with_structured_outputs(method, async_scheduling):
+    """Constrained requests beside free ones, proposals queued on the device after each verification (the demo
+    target's trained heads, stand-in graphs): the drafts are unconstrained, the grammar masks every draft position
+    (async: filled after the previous step's tokens advance the matchers, then sampled, then the hook runs), and
+    the tokens equal plain decoding's, the constraint obeyed, no block left."""
+    from pagedllm import StructuredOutputsParams
+
+    spec = {"method": method, "model": f"{DEMO}/{method}", "num_speculative_tokens": 3}
+    regex = r"(ab|cd)+[0-9]{2,6}"
+    so = [StructuredOutputsParams(regex=regex), StructuredOutputsParams(choice=["for i in range", "while True"])]
+    params = [SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=s) for s in so]
+    params += [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * 2
+    prompts = ["abab12 cdcd", "for i in range(3):\n", CODE, CODE[20:]]
+
+    def run(llm: LLM) -> list:
+        return llm.generate(prompts, params, use_tqdm=False)
+
+    plain = run(_llm(DEMO, None))
+    llm = _llm(DEMO, spec, async_scheduling=async_scheduling)
+    install_stand_in_graphs(llm, piecewise=False)
+    got = run(llm)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    assert re.fullmatch(regex, got[0].outputs[0].text) and got[1].outputs[0].text in so[1].choice
+    assert llm.llm_engine.engine_core.proposer.num_device_proposals > 0
+    assert _drafts(llm)[1] > 0
+    llm.llm_engine.engine_core.check_integrity()
