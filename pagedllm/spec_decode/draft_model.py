@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
+import torch
 
 from pagedllm.config import EngineConfig, ModelConfig, ParallelConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
@@ -34,6 +35,7 @@ from pagedllm.core.request import Request
 from pagedllm.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode.proposer import can_speculate, num_drafts_allowed
+from pagedllm.worker.graph_io import final_hidden
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +95,7 @@ class DraftModelProposer:
         self.runner = ModelRunner(draft_engine_config(config))
         self.kv: KVCacheManager | None = None  # the target's block tables (set by the engine core)
         self.states: dict[str, _DraftState] = {}
+        self.step_graphs: Any = None  # DraftStepGraphs of steps 2..k (capture_head_graphs), where graphs run
 
     def kv_block_bytes(self) -> int:
         return self.runner.kv_block_bytes()
@@ -106,6 +109,40 @@ class DraftModelProposer:
         self.runner.allow_piecewise = False
         self.runner.maybe_capture_cuda_graphs()
         self.kv = kv
+        if self.runner.graph_runner is not None:
+            self.capture_head_graphs()
+
+    def capture_head_graphs(self) -> None:
+        """CUDA graphs of the draft model's steps 2..k, one per padded batch size, each planning its own step on
+        the device (``head_graphs.DraftStepGraphs``): a proposal replays them back to back after the catch-up
+        pass, feeding each the previous draft, and reads the drafts once."""
+        from pagedllm.kernels import compile_watch
+        from pagedllm.spec_decode.head_graphs import DraftStepGraphs
+
+        runner = self.runner
+        if self.k < 2 or runner.longrope is not None:  # (LongRoPE positions are rotary rows, made on the host)
+            return
+        self.step_graphs = DraftStepGraphs(
+            self._draft_step,
+            1,  # (no hidden state is carried from step to step)
+            runner.dtype,
+            runner.max_num_reqs,
+            self.k - 1,
+            runner.max_blocks_per_req,
+            self.max_model_len,
+            runner.device,
+            runner.block_size,
+        )
+        with compile_watch.start_up():  # the warm-ups' compiles are start-up's
+            self.step_graphs.capture()
+        self._no_hidden = torch.zeros(self.step_graphs.max_bs, 1, dtype=runner.dtype, device=runner.device)
+
+    def _draft_step(
+        self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, meta: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step of the draft model over ``tokens`` [n] at ``positions``: the next drafts [n] (argmax)."""
+        out = final_hidden(self.runner.model(tokens, positions, self.runner.kv_caches, meta))
+        return hidden, self.runner.model.compute_logits(out).argmax(dim=-1)
 
     def propose(self, requests: Sequence[Request], *step_info: Any) -> None:
         budget = self.max_num_tokens
@@ -148,7 +185,10 @@ class DraftModelProposer:
             state = self.states[request.request_id]
             state.num_computed += chunk
             state.num_verified = request.num_tokens
-        if chosen:
+        graphs = self.step_graphs
+        if chosen and graphs is not None and graphs.padded_size(len(chosen)) in graphs.graphs:
+            self._chain(chosen, steps[0])
+        elif chosen:
             # Steps 2..k: one token per request that still wants drafts.
             for j in range(1, max(k for _, k in chosen)):
                 step_reqs = [(r, k) for r, k in chosen if k > j]
@@ -164,6 +204,31 @@ class DraftModelProposer:
             state = self.states[request.request_id]
             state.num_computed = num_tokens + k - 1
             state.num_verified = num_tokens
+
+    @torch.inference_mode()
+    def _chain(self, chosen: list[tuple[Request, int]], catch_up: Any) -> None:
+        """Drafts 2..k of ``chosen`` through the step graphs, fed draft 1 from the catch-up step ``catch_up``
+        (still on the device); then every draft into the draft runner's batch rows and the requests."""
+        m = len(chosen)
+        where = {req_id: j for j, req_id in enumerate(catch_up.sample_req_ids)}
+        rows = torch.from_numpy(np.fromiter((where[r.request_id] for r, _ in chosen), np.int64, count=m))
+        first = catch_up.sampled[rows.to(self.runner.device, non_blocking=True)]  # [m] draft 1
+        ks = np.fromiter((k for _, k in chosen), np.int64, count=m)  # [m]
+        last_pos = np.fromiter((r.num_tokens for r, _ in chosen), np.int64, count=m)  # draft 1's position
+        num_blocks = -(-int((last_pos + ks).max()) // self.runner.block_size)
+        table = np.zeros((m, num_blocks), dtype=np.int32)
+        for i, (request, _) in enumerate(chosen):
+            ids = self.kv.get_block_ids(request.request_id)[:num_blocks]
+            table[i, : len(ids)] = ids
+        rest = torch.empty(m, int(ks.max()) - 1, dtype=torch.long, device=self.runner.device)  # [m, k - 1]
+        self.step_graphs.run(last_pos, ks, table, first, self._no_hidden[:m], rest)
+        self.runner.collect(catch_up)  # draft 1 into the batch rows
+        batch = self.runner.input_batch
+        for (request, k), more in zip(chosen, rest.tolist()):  # (the proposal's one read of drafts 2..k)
+            row = batch.req_id_to_row[request.request_id]
+            end = request.num_tokens + 1
+            batch.token_ids_np[row, end : end + k - 1] = more[: k - 1]
+            batch.num_tokens_np[row] = end + k - 1
 
     def _sync(
         self,

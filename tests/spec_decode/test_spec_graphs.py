@@ -321,3 +321,31 @@ def test_device_drafts_with_structured_outputs(method, async_scheduling):
     assert llm.llm_engine.engine_core.proposer.num_device_proposals > 0
     assert _drafts(llm)[1] > 0
     llm.llm_engine.engine_core.check_integrity()
+
+
+@pytest.mark.parametrize("draft", ["self", "other"])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_draft_model_steps_through_step_graphs(deep_llama, tiny_llama, draft, async_scheduling):
+    """A draft model's steps 2..k replay step graphs (stand-ins) after its catch-up pass, fed draft 1 on the device
+    and read once: the drafts of the pass-by-pass runner (acceptance counts; a draft equal to the target accepts
+    every one), plain decoding's tokens, drafts cut at max_tokens."""
+    model = deep_llama if draft == "self" else tiny_llama
+    spec = {"model": model, "num_speculative_tokens": 3}
+    params = [SamplingParams(temperature=0.0, max_tokens=20 - 3 * i, ignore_eos=True) for i in range(len(PROMPTS))]
+
+    def run(llm: LLM) -> list[list[int]]:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+    plain = run(_llm(deep_llama, None))
+    passes = _llm(deep_llama, spec, async_scheduling=async_scheduling)
+    want = run(passes)
+    graphed = _llm(deep_llama, spec, async_scheduling=async_scheduling)
+    install_stand_in_graphs(graphed, piecewise=False)
+    got = run(graphed)
+    assert got == want == plain
+    assert _drafts(graphed) == _drafts(passes) and _drafts(graphed)[0] > 0
+    if draft == "self":
+        assert _drafts(graphed)[1] == _drafts(graphed)[0]
+    assert sum(graphed.llm_engine.engine_core.proposer.step_graphs.num_replays.values()) > 0
+    graphed.llm_engine.engine_core.check_integrity()

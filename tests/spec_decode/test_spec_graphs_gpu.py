@@ -155,3 +155,26 @@ def test_demo_drafts_queued_on_the_device_equal_the_host_path(method, async_sche
         assert (core.proposer.num_device_proposals > 0) == on_device
         core.check_integrity()
     assert runs[True] == runs[False] and runs[True][1] > 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_demo_draft_model_steps_on_graphs_equal_its_passes(async_scheduling):
+    """The demo draft model's steps 2..k replay its step graphs after the catch-up pass: the drafts of the
+    pass-by-pass runner (acceptance counts), plain decoding's tokens."""
+    spec = {"model": str(DEMO_MODEL_DIR / "draft"), "num_speculative_tokens": 4}
+    prompts = [list(range(100 + 7 * i, 140 + 7 * i)) for i in range(4)]
+    plain = _generate(LLM(str(DEMO_MODEL_DIR), **KW), prompts)
+    runs = {}
+    for graphs in (False, True):
+        llm = LLM(str(DEMO_MODEL_DIR), speculative_config=spec, async_scheduling=async_scheduling, **KW)
+        proposer = llm.llm_engine.engine_core.proposer
+        assert proposer.step_graphs is not None
+        if not graphs:
+            proposer.step_graphs = None
+        assert _generate(llm, prompts) == plain
+        stats = llm.llm_engine.get_stats()
+        runs[graphs] = (stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens)
+        if graphs:
+            assert sum(proposer.step_graphs.num_replays.values()) > 0
+        llm.llm_engine.engine_core.check_integrity()
+    assert runs[True] == runs[False] and runs[True][1] > 0
