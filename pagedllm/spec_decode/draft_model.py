@@ -86,7 +86,8 @@ class DraftModelProposer:
 
     reads_every_step = False  # it catches up from the request's tokens whenever it drafts
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, target_runner: Any = None) -> None:
+        """``target_runner``: the target's runner (only to say, at start-up, which CUDA graphs speculation uses)."""
         from pagedllm.worker.model_runner import ModelRunner
 
         self.k = config.speculative_config.num_speculative_tokens
@@ -96,6 +97,8 @@ class DraftModelProposer:
         self.kv: KVCacheManager | None = None  # the target's block tables (set by the engine core)
         self.states: dict[str, _DraftState] = {}
         self.step_graphs: Any = None  # DraftStepGraphs of steps 2..k (capture_head_graphs), where graphs run
+        self.target_runner = target_runner
+        self.graphs_summary = ""
 
     def kv_block_bytes(self) -> int:
         return self.runner.kv_block_bytes()
@@ -111,6 +114,11 @@ class DraftModelProposer:
         self.kv = kv
         if self.runner.graph_runner is not None:
             self.capture_head_graphs()
+        from pagedllm.spec_decode.head_graphs import log_speculation_graphs
+
+        self.graphs_summary = log_speculation_graphs(
+            "draft_model", self.target_runner, self.step_graphs, self.runner.graph_runner
+        )
 
     def capture_head_graphs(self) -> None:
         """CUDA graphs of the draft model's steps 2..k, one per padded batch size, each planning its own step on

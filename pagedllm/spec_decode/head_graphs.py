@@ -348,7 +348,8 @@ def speculation_graphs_summary(
 ) -> str:
     """Which CUDA graphs speculative decoding with ``method`` uses: the target ``runner``'s (its verification
     steps of k + 1 tokens a request, its pure decodes, its mixed steps) and the draft head's (its catch-up pass
-    after verification steps, its draft steps; Medusa's ``heads``)."""
+    after verification steps, its draft steps; Medusa's ``heads``). For ``draft_model``, ``catch_up_graphs`` is
+    the draft runner's own decode graphs (its catch-up passes) and ``step_graphs`` its steps 2..k."""
     graphs = getattr(runner, "graph_runner", None)
     piecewise = getattr(runner, "piecewise", None)
     parts = []
@@ -369,7 +370,18 @@ def speculation_graphs_summary(
         if piecewise is not None
         else "mixed steps run eagerly"
     )
-    if method == "medusa":
+    if method == "draft_model":
+        parts.append(
+            f"the draft model's catch-up passes replay its CUDA graphs for batch sizes 1..{catch_up_graphs.max_bs}"
+            if catch_up_graphs is not None
+            else "the draft model's catch-up passes run eagerly"
+        )
+        parts.append(
+            f"its steps 2..k replay CUDA graphs for batch sizes 1..{step_graphs.max_bs}"
+            if step_graphs is not None
+            else "its steps 2..k run eagerly"
+        )
+    elif method == "medusa":
         parts.append(
             f"the heads replay CUDA graphs for batch sizes 1..{heads.max_bs}"
             if heads is not None

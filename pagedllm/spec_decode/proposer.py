@@ -192,7 +192,7 @@ def make_proposer(config: EngineConfig, runner: Any) -> Proposer:
     if spec.method == "draft_model":
         from pagedllm.spec_decode.draft_model import DraftModelProposer
 
-        return DraftModelProposer(config)
+        return DraftModelProposer(config, runner)
     if spec.method == "medusa":
         from pagedllm.spec_decode.medusa import MedusaProposer
 

@@ -347,5 +347,11 @@ def test_draft_model_steps_through_step_graphs(deep_llama, tiny_llama, draft, as
     assert _drafts(graphed) == _drafts(passes) and _drafts(graphed)[0] > 0
     if draft == "self":
         assert _drafts(graphed)[1] == _drafts(graphed)[0]
-    assert sum(graphed.llm_engine.engine_core.proposer.step_graphs.num_replays.values()) > 0
+    proposer = graphed.llm_engine.engine_core.proposer
+    assert sum(proposer.step_graphs.num_replays.values()) > 0
+    line = speculation_graphs_summary(
+        "draft_model", graphed.llm_engine.engine_core.runner, proposer.step_graphs, proposer.runner.graph_runner
+    )
+    assert "its steps 2..k replay CUDA graphs" in line and "catch-up passes run eagerly" in line
+    assert "its steps 2..k run eagerly" in passes.llm_engine.engine_core.proposer.graphs_summary  # at start-up
     graphed.llm_engine.engine_core.check_integrity()
