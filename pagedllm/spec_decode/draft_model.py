@@ -34,7 +34,7 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request
 from pagedllm.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.spec_decode.proposer import can_speculate, num_drafts_allowed
+from pagedllm.spec_decode.proposer import block_table, can_speculate, num_drafts_allowed
 from pagedllm.worker.graph_io import final_hidden
 
 logger = logging.getLogger(__name__)
@@ -224,10 +224,7 @@ class DraftModelProposer:
         ks = np.fromiter((k for _, k in chosen), np.int64, count=m)  # [m]
         last_pos = np.fromiter((r.num_tokens for r, _ in chosen), np.int64, count=m)  # draft 1's position
         num_blocks = -(-int((last_pos + ks).max()) // self.runner.block_size)
-        table = np.zeros((m, num_blocks), dtype=np.int32)
-        for i, (request, _) in enumerate(chosen):
-            ids = self.kv.get_block_ids(request.request_id)[:num_blocks]
-            table[i, : len(ids)] = ids
+        table = block_table(self.kv, [r.request_id for r, _ in chosen], num_blocks)
         rest = torch.empty(m, int(ks.max()) - 1, dtype=torch.long, device=self.runner.device)  # [m, k - 1]
         self.step_graphs.run(last_pos, ks, table, first, self._no_hidden[:m], rest)
         self.runner.collect(catch_up)  # draft 1 into the batch rows

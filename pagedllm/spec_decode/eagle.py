@@ -34,7 +34,13 @@ from pagedllm.spec_decode.head_graphs import (
     log_speculation_graphs,
     run_draft_steps,
 )
-from pagedllm.spec_decode.proposer import DeviceDrafts, can_speculate, kept_positions, num_drafts_allowed
+from pagedllm.spec_decode.proposer import (
+    DeviceDrafts,
+    block_table,
+    can_speculate,
+    kept_positions,
+    num_drafts_allowed,
+)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -364,10 +370,7 @@ class EagleProposer:
         last_pos = np.fromiter((r.num_tokens - 1 for r in requests), dtype=np.int64, count=m)
         # Blocks covering every step's position (up to num_tokens + k - 3)
         num_blocks = _cdiv(int((last_pos + ks).max()) - 1, self.block_size)
-        table = np.zeros((m, num_blocks), dtype=np.int32)
-        for i, request in enumerate(requests):
-            ids = self.kv.get_block_ids(request.request_id)[:num_blocks]
-            table[i, : len(ids)] = ids
+        table = block_table(self.kv, [r.request_id for r in requests], num_blocks)
         graphs = self.step_graphs
         if graphs is not None and graphs.padded_size(m) in graphs.graphs:
             graphs.run(last_pos, ks, table, tokens, hidden, out)
@@ -414,11 +417,7 @@ class EagleProposer:
         req_of = np.repeat(np.arange(len(segs)), counts)
         positions = np.arange(int(cu[-1])) - cu[req_of] + starts[req_of]
         seq_lens = (starts + counts).astype(np.int32)
-        max_blocks = _cdiv(int(seq_lens.max()), bs)
-        table = np.zeros((len(segs), max_blocks), dtype=np.int32)
-        for i, (request, _, _) in enumerate(segs):
-            ids = self.kv.get_block_ids(request.request_id)[:max_blocks]
-            table[i, : len(ids)] = ids
+        table = block_table(self.kv, [r.request_id for r, _, _ in segs], _cdiv(int(seq_lens.max()), bs))
         slots = table[req_of, positions // bs].astype(np.int64) * bs + positions % bs
         return CatchUpInputs(token_ids, hidden_rows, positions, slots, seq_lens, cu, table)
 

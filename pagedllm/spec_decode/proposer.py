@@ -94,6 +94,16 @@ def kept_positions(req_id: str, sched: SchedulerOutput, result: ModelRunnerOutpu
     return sched.num_computed_tokens[req_id], count
 
 
+def block_table(kv: KVCacheManager, req_ids: Sequence[str], num_blocks: int) -> np.ndarray:
+    """``[len(req_ids), num_blocks]`` int32: each request's first ``num_blocks`` block ids in ``kv`` (the target's
+    tables, which draft KV caches share), zeros past its own."""
+    table = np.zeros((len(req_ids), num_blocks), dtype=np.int32)
+    for i, req_id in enumerate(req_ids):
+        ids = kv.get_block_ids(req_id)[:num_blocks]
+        table[i, : len(ids)] = ids
+    return table
+
+
 class DeviceDrafts:
     """Drafts a proposer queued on the device right after a verification step (``ModelRunner.after_spec_sample``),
     on their way to the host: one pinned buffer and one CUDA event, reused, since a proposal's drafts are read
@@ -102,7 +112,8 @@ class DeviceDrafts:
     def __init__(self, device: Any, max_rows: int, k: int) -> None:
         self.k = k
         self.cuda = device.type == "cuda"
-        self.host = torch.empty(max_rows, k, dtype=torch.long, pin_memory=self.cuda)
+        # (on the CPU the drafts are read where they are)
+        self.host = torch.empty(max_rows, k, dtype=torch.long, pin_memory=True) if self.cuda else None
         self.ready = torch.cuda.Event() if self.cuda else None
 
     def queue(self, step: Any, drafts: torch.Tensor, capacity: np.ndarray | None = None) -> None:

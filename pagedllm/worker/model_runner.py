@@ -121,7 +121,7 @@ class ModelRunner:
         self.piecewise: PiecewiseGraphRunner | None = None  # the other steps, up to 16k tokens
         self.allow_piecewise = True  # a draft model's runner sets False (see _piecewise_wanted)
         # Called right after a verification step's sampling is launched, with (step, tokens [num_sampled, k + 1],
-        # accepted [num_sampled]) on the device: an EAGLE proposer queues the next drafts there (eagle.py).
+        # accepted [num_sampled]) on the device: an EAGLE or Medusa proposer queues the next drafts there.
         self.after_spec_sample: Callable[[StepInFlight, torch.Tensor, torch.Tensor], None] | None = None
         self._last_step: StepInFlight | None = None  # the latest step with sampled tokens
         self.kv_connector: Any = None  # the worker side of a KV connector (register_kv_connector)
