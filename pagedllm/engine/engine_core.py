@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -70,6 +71,8 @@ class EngineCore:
         else:
             self.runner = ModelRunner(config)
         self._asleep: set[str] = set()  # sleep mode: the parts ("weights", "kv_cache") now released
+        if config.device_config.device.type == "cuda":
+            _LIVE_CUDA_CORES.add(self)
         try:
             self._start(t0)
         except BaseException:  # workers, process groups and device memory must not outlive a failed start
@@ -716,6 +719,7 @@ class EngineCore:
         if self._shut_down:
             return
         self._shut_down = True
+        _LIVE_CUDA_CORES.discard(self)
         self._pending_sample = self._in_flight = None
         if self._cpu_threads is not None:
             self._cpu_threads.release()
@@ -738,9 +742,15 @@ class EngineCore:
                 _release_device_memory(device)
 
 
+# The engine cores of this process that hold a CUDA device: cuBLAS's workspaces (one per stream, shared by every
+# engine of the process) are baked into the CUDA graphs each one captured, so only the last one to go frees them.
+_LIVE_CUDA_CORES: weakref.WeakSet[EngineCore] = weakref.WeakSet()
+
+
 def _release_device_memory(device: Any) -> None:
     """CUDA: collect what the dropped runners left in reference cycles, then return the caching allocator's free
-    blocks and cuBLAS's workspaces to the device. (Host memory in cycles goes with the next collection.)"""
+    blocks to the device, and cuBLAS's workspaces too when no other engine of this process is alive (its graphs
+    replay kernels that write to them). (Host memory in cycles goes with the next collection.)"""
     if device.type != "cuda":
         return
     gc.collect()
@@ -748,6 +758,6 @@ def _release_device_memory(device: Any) -> None:
     with torch.cuda.device(device):
         torch.cuda.synchronize()
         clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-        if clear_workspaces is not None:
+        if clear_workspaces is not None and not _LIVE_CUDA_CORES:
             clear_workspaces()
         torch.cuda.empty_cache()

@@ -243,3 +243,25 @@ def test_gpu_memory_returns_after_shutdown(tiny_llama, tp):
     assert max(free_after[1:]) - min(free_after[1:]) < 32 * mib, (
         f"free memory drifts: {[f // mib for f in free_after]}"
     )
+
+
+@pytest.mark.gpu
+def test_dropping_an_engine_leaves_another_engines_graphs_working():
+    """Two engines in one process share cuBLAS's workspaces, which their CUDA graphs' GEMMs write to: dropping one
+    while the other lives leaves the workspaces in place (the last engine to go frees them), so the survivor's
+    graphs replay correctly (before, its next replay wrote to freed device memory: an illegal address)."""
+    from pagedllm.demo import DEMO_MODEL_DIR
+
+    kw = dict(dtype="float32", device="cuda", max_model_len=256, kv_cache_memory_bytes=64 * 2**20)
+    prompts = [{"prompt_token_ids": list(range(100 + 7 * i, 140 + 7 * i))} for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    first = LLM(str(DEMO_MODEL_DIR), **kw)
+    expected = [o.outputs[0].token_ids for o in first.generate(prompts, params, use_tqdm=False)]
+    second = LLM(str(DEMO_MODEL_DIR), **kw)  # its graphs captured while the first is alive
+    del first
+    gc.collect()
+    torch.cuda.synchronize()
+    outs = second.generate(prompts, params, use_tqdm=False)
+    torch.cuda.synchronize()
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    second.shutdown()

@@ -45,16 +45,19 @@ def deep_llama(tmp_path_factory) -> str:
     return make_tiny_model("llama", tmp_path_factory.mktemp("deep") / "llama8", num_hidden_layers=8)
 
 
-def _generate(llm: LLM, prompts: list[list[int]], max_tokens: int = 40) -> list[list[int]]:
+def _generate(
+    llm: LLM, prompts: list[list[int]], max_tokens: int = 40, penalty: bool = True
+) -> list[list[int]]:
     """Greedy tokens; requests of different lengths, so that batches shrink and verification mixes with the
-    prefill chunks of the requests behind. The first, the longest, has a repetition penalty: it never speculates,
-    so its rows join verification steps one token long, and it ends alone in pure decodes."""
+    prefill chunks of the requests behind. With ``penalty``, the first, the longest, has a repetition penalty: it
+    never speculates, so its rows join verification steps one token long, and it ends alone in pure decodes."""
     params = [
         SamplingParams(temperature=0.0, max_tokens=max_tokens - 5 * i, ignore_eos=True) for i in range(5)
     ]
-    params[0] = SamplingParams(
-        temperature=0.0, max_tokens=max_tokens + 6, ignore_eos=True, repetition_penalty=1.3
-    )
+    if penalty:
+        params[0] = SamplingParams(
+            temperature=0.0, max_tokens=max_tokens + 6, ignore_eos=True, repetition_penalty=1.3
+        )
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params[: len(prompts)], use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
 
@@ -139,17 +142,19 @@ def test_demo_model_with_its_eagle_head_on_graphs():
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_demo_drafts_queued_on_the_device_equal_the_host_path(method, async_scheduling):
     """On real graphs, the proposals queued on the device right after sampling (the runner's after_spec_sample
-    hook) give the drafts the host path gives: the same acceptance counts, the same tokens as plain decoding."""
+    hook) give the drafts the host path gives: the same acceptance counts, the same tokens as plain decoding.
+    Every request speculates (no penalty), so that verification steps where all of them verified k drafts, the
+    ones the hook queues proposals after, come."""
     spec = {"method": method, "model": str(DEMO_MODEL_DIR / method), "num_speculative_tokens": 3}
     prompts = [list(range(100 + 7 * i, 140 + 7 * i)) for i in range(4)]
-    plain = _generate(LLM(str(DEMO_MODEL_DIR), **KW), prompts)
+    plain = _generate(LLM(str(DEMO_MODEL_DIR), **KW), prompts, penalty=False)
     runs = {}
     for on_device in (False, True):
         llm = LLM(str(DEMO_MODEL_DIR), speculative_config=spec, async_scheduling=async_scheduling, **KW)
         core = llm.llm_engine.engine_core
         if not on_device:
             core.runner.after_spec_sample = None
-        assert _generate(llm, prompts) == plain
+        assert _generate(llm, prompts, penalty=False) == plain
         stats = llm.llm_engine.get_stats()
         runs[on_device] = (stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens)
         assert (core.proposer.num_device_proposals > 0) == on_device
