@@ -44,9 +44,12 @@ appends the sampled tokens that ride along with the next ``launch``::
 
 Synchronous scheduling and eager steps. n-gram and draft-model drafts ride the broadcast step to every stage; the
 last stage computes the verification logits and the sampler verifies, and the other ranks append the emitted
-tokens with the next launch, as under TP (EAGLE heads, which read the last stage's hidden states, are refused
-with pipeline_parallel_size > 1 in pagedllm/config.py); quantized checkpoints load stage by stage like any other, and each stage's LoRA manager
-loads the part of an adapter its layers hold (the rest: ``LoRAManager.absent``).
+tokens with the next launch, as under TP. An EAGLE head or Medusa heads run on rank 0 (as under TP, with whole
+copies of the target's embedding and LM head) over the last stage's final hidden states, which the sampler sends
+after each step's output on the link group ([num_tokens, H], as bytes); EAGLE-3 (hidden states of layers on
+several stages) and MTP are refused with pipeline_parallel_size > 1 in pagedllm/config.py. Quantized checkpoints
+load stage by stage like any other, and each stage's LoRA manager loads the part of an adapter its layers hold
+(the rest: ``LoRAManager.absent``).
 
 Speculative decoding under TP (n-gram, draft-model and EAGLE proposers): the proposer runs in the engine core only
 (a draft model or an EAGLE head whole, unsharded, on rank 0, the head with whole copies of the target's embedding
@@ -264,6 +267,23 @@ def _sample_for_rank0(runner: Any, step: Any, link: Any, rank: int) -> None:
     dist.broadcast_object_list(msg, src=0, group=link)
     runner.sample(step, msg[0])
     dist.broadcast_object_list([runner.collect(step)], src=rank, group=link)
+    if runner.keep_hidden and step.query_start is not None:  # (None: a step of no tokens)
+        # An EAGLE head or Medusa heads on rank 0 read the step's final hidden states.
+        dist.broadcast(_as_bytes(step.draft_hidden), src=rank, group=link)
+
+
+def _as_bytes(hidden: torch.Tensor) -> torch.Tensor:
+    """``hidden`` [T, H] as a host tensor of its bytes [T, H * element size] (uint8: any dtype crosses gloo)."""
+    return hidden.detach().contiguous().cpu().view(torch.uint8)
+
+
+def _receive_hidden(link: Any, sampler: int, num_tokens: int, hidden_size: int, runner: Any) -> torch.Tensor:
+    """Rank 0's half of the sampler's hidden-state send: the step's final hidden states ``[num_tokens,
+    hidden_size]`` in the runner's dtype, on its device."""
+    elem = torch.empty((), dtype=runner.dtype).element_size()
+    buf = torch.empty(num_tokens, hidden_size * elem, dtype=torch.uint8)
+    dist.broadcast(buf, src=sampler, group=link)
+    return buf.view(runner.dtype).to(runner.device, non_blocking=True)
 
 
 def _batch_tokens(runner: Any, pending: dict[str, list[int]] | None) -> dict[str, list[int]]:
@@ -596,6 +616,12 @@ class MultiprocRunner:
             msg: list[Any] = [None]
             with self._collective():
                 dist.broadcast_object_list(msg, src=self._sampler, group=self._link)
+                if self.runner.keep_hidden and step.query_start is not None:  # for an EAGLE head or Medusa heads
+                    hidden_size = self.runner.config.model_config.hf_config.hidden_size
+                    num_tokens = int(step.query_start[-1])
+                    step.draft_hidden = _receive_hidden(
+                        self._link, self._sampler, num_tokens, hidden_size, self.runner
+                    )
             out = step.output = msg[0]  # rank 0's own runner reads it from there (collect is idempotent)
             self._uncollected = None
         else:

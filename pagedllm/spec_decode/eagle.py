@@ -101,17 +101,20 @@ class EagleProposer:
             head.map_draft_vocab()  # reads d2t once, here, not at every draft step
         self.head = head.eval()
         # Under tensor parallelism the target's embedding and LM head each hold a vocabulary shard, and their
-        # forward is a collective the other ranks do not join: the head (on rank 0) reads whole copies.
+        # forward is a collective the other ranks do not join; under pipeline parallelism the LM head is the last
+        # stage's: the head (on rank 0) reads whole copies.
         self.embed: torch.nn.Module | None = None
         self.lm_head: torch.nn.Module | None = None
-        if getattr(runner, "tp_size", 1) > 1:
+        tp, pp = getattr(runner, "tp_size", 1), getattr(runner, "pp", None)
+        if tp > 1 or pp is not None:
             from pagedllm.models.llama import LlamaForCausalLM
 
             if type(inner).embed is not LlamaModel.embed or (
                 spec.method == "eagle" and type(target).compute_logits is not LlamaForCausalLM.compute_logits
             ):
+                what = "tensor_parallel_size" if tp > 1 else "pipeline_parallel_size"
                 raise ValueError(
-                    f"speculative_config.method {spec.method!r} with tensor_parallel_size > 1 needs a target whose "
+                    f"speculative_config.method {spec.method!r} with {what} > 1 needs a target whose "
                     "embedding and LM head are plain tables (Llama, Mistral, Qwen2/3)"
                 )
             self.embed, self.lm_head = self._whole_tables(config)
@@ -160,7 +163,9 @@ class EagleProposer:
                 for name in [n for n in f.keys() if n in wanted]:  # noqa: SIM118 - safe_open is not a dict
                     wanted.pop(name).copy_(f.get_tensor(name))
         if wanted:
-            raise ValueError(f"the target checkpoint lacks {sorted(wanted)} (needed by the EAGLE head under TP)")
+            raise ValueError(
+                f"the target checkpoint lacks {sorted(wanted)} (needed by the EAGLE head under TP or PP)"
+            )
         return embed, lm_head
 
     # ------------------------------------------------------------------ start-up

@@ -172,9 +172,9 @@ def test_pp_flag_reaches_the_engine_config(llama3l, monkeypatch):
             "llama",
             {
                 "pipeline_parallel_size": 2,
-                "speculative_config": {"method": "eagle", "model": "TINY", "num_speculative_tokens": 2},
+                "speculative_config": {"method": "eagle3", "model": "TINY", "num_speculative_tokens": 2},
             },
-            "speculative_config.method 'eagle' / 'eagle3' / 'medusa' / 'mtp' with pipeline_parallel_size",
+            "speculative_config.method 'eagle3' / 'mtp' with pipeline_parallel_size",
         ),
         (
             "llama",
@@ -185,7 +185,7 @@ def test_pp_flag_reaches_the_engine_config(llama3l, monkeypatch):
 )
 def test_bad_pipeline_configs_fail_at_startup(tiny_model_dirs, arch, kw, field):
     spec = kw.get("speculative_config")
-    if spec is not None:  # an EAGLE head is refused before it is read: any model directory will do
+    if spec is not None:  # an EAGLE-3 head is refused before it is read: any model directory will do
         kw = {**kw, "speculative_config": {**spec, "model": tiny_model_dirs[arch]}}
     with pytest.raises(ValueError, match=field):
         LLM(tiny_model_dirs[arch], device="cpu", **kw)
@@ -283,6 +283,69 @@ def test_pp2_speculative_decoding_matches_transformers(llama3l, proposer):
         assert core.kv_cache_manager.num_free_blocks == core.kv_cache_manager.pool.num_blocks
     finally:
         shutdown(llm)
+
+
+@pytest.mark.parametrize("method, tp", [("eagle", 1), ("medusa", 1), ("eagle", 2)])
+def test_pp2_eagle_and_medusa_draft_as_in_one_process(llama3l, tmp_path, method, tp):
+    """An EAGLE head (whole copies of the target's embedding and LM head) or Medusa heads run on rank 0 over the
+    last stage's final hidden states, which the sampler sends after each step: greedy output equals transformers'
+    (chunked prefills, a prefix hit) and the drafts are the one-process engine's (the same acceptance counts: each
+    stage computes its layers as one process does, and the hidden states cross as bytes). Under TP=2 too (the
+    sampler's hidden states are whole after the all-reduce: transformers' output). Every rank's batch equals rank
+    0's after each step; no block leaks."""
+    from tests.spec_decode.test_eagle import PROMPTS, make_eagle_head
+    from tests.spec_decode.test_medusa import make_medusa_heads
+
+    if method == "eagle":
+        head = make_eagle_head(llama3l, tmp_path / "eagle", "eagle")
+    else:
+        head, _ = make_medusa_heads(llama3l, tmp_path / "medusa")
+    spec = {"method": method, "model": head, "num_speculative_tokens": 3}
+    prompts = [list(p) for p in PROMPTS] + [list(PROMPTS[3]) + [21, 22]]  # the last one hits the prefix cache
+    kw = dict(speculative_config=spec, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=16)
+    one = pp_llm(llama3l, pp=1, **kw)
+    drafts_one = record_drafts(one)
+    expected = greedy_ids(one, prompts, max_tokens_override=24)
+    s1 = one.llm_engine.get_stats()
+    shutdown(one)
+    llm = pp_llm(llama3l, tensor_parallel_size=tp, **kw)
+    try:
+        core = llm.llm_engine.engine_core
+        drafts = record_drafts(llm)
+        step = core.step
+
+        def checked_step():
+            out = step()
+            core.runner.check_batches()
+            return out
+
+        core.step = checked_step
+        assert greedy_ids(llm, prompts, max_tokens_override=24) == expected == hf_greedy(llama3l, prompts, 24)
+        s = llm.llm_engine.get_stats()
+        assert s.spec_num_draft_tokens > 0 and any(d for step_drafts in drafts for _, d in step_drafts)
+        if tp == 1:  # (under TP the all-reduced sums round otherwise: a random head's near ties may flip)
+            assert drafts == drafts_one
+            assert (s.spec_num_draft_tokens, s.spec_num_accepted_tokens) == (
+                s1.spec_num_draft_tokens,
+                s1.spec_num_accepted_tokens,
+            )
+        core.check_integrity()
+        assert core.kv_cache_manager.num_free_blocks == core.kv_cache_manager.pool.num_blocks
+    finally:
+        shutdown(llm)
+
+
+def record_drafts(llm: LLM) -> list[list[tuple[str, list[int]]]]:
+    """After each proposal, every running request's drafts (request id, token ids), in a list filled as it runs."""
+    core = llm.llm_engine.engine_core
+    propose, record = core.proposer.propose, []
+
+    def recorded(requests, *args, **kwargs):
+        propose(requests, *args, **kwargs)
+        record.append([(r.request_id, list(r.spec_token_ids or ())) for r in requests])
+
+    core.proposer.propose = recorded
+    return record
 
 
 @pytest.fixture(scope="module")

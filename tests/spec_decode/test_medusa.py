@@ -123,6 +123,7 @@ def test_medusa_startup_errors(tiny_llama, tmp_path):
     (Path(heads) / "config.json").write_text(json.dumps({"hidden_size": cfg["hidden_size"]}))
     with pytest.raises(ValueError, match="num_heads"):
         _llm(tiny_llama, heads, k=1)
-    with pytest.raises(ValueError, match="pipeline_parallel_size"):
+    shared, _ = make_medusa_heads(tiny_llama, tmp_path / "shared", num_heads=2, shared=True)
+    with pytest.raises(ValueError, match=r"copy of it \(lm_head.weight\) under pipeline_parallel_size"):
         LLM(tiny_llama, device="cpu", pipeline_parallel_size=2, distributed_executor_backend="mp",
-            speculative_config={"method": "medusa", "model": heads, "num_speculative_tokens": 1})  # fmt: skip
+            speculative_config={"method": "medusa", "model": shared, "num_speculative_tokens": 1})  # fmt: skip
