@@ -30,7 +30,6 @@ from pagedllm.spec_decode.head_graphs import (
     CatchUpGraphs,
     CatchUpInputs,
     DraftStepGraphs,
-    draft_step_plan,
     log_speculation_graphs,
     run_draft_steps,
 )
@@ -380,8 +379,7 @@ class EagleProposer:
         if graphs is not None and graphs.padded_size(m) in graphs.graphs:
             graphs.run(last_pos, ks, table, tokens, hidden, out)
         else:
-            plan = draft_step_plan(last_pos, ks, table, self.block_size, steps=out.shape[1])
-            run_draft_steps(self._draft_step, plan, tokens, hidden, out, self.device)
+            run_draft_steps(self._draft_step, self.block_size, last_pos, ks, table, tokens, hidden, out)
 
     def _head_pass(
         self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata

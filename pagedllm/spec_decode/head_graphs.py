@@ -1,12 +1,13 @@
-"""The passes of an EAGLE / EAGLE-3 / MTP head: the draft steps' host plan, and CUDA graphs of the draft steps and
-of the catch-up pass (GPU).
+"""The passes of an EAGLE / EAGLE-3 / MTP head: the draft steps' plan, and CUDA graphs of the draft steps and of
+the catch-up pass (GPU).
 
 After the catch-up pass gives draft 1 (pagedllm/spec_decode/eagle.py), each of drafts 2..k is one head pass over
 one token per request: step j (0-based) runs the head at position ``num_tokens - 1 + j`` on the draft just made and
 the head's own hidden from the step before, and its argmax is the next draft. Such a pass has the shape of a
-decode step, and everything the host must tell it (positions, KV slots, context lengths, the block table) is known
-before the first one runs: :func:`draft_step_plan` lays out every step at once, so the steps chain on the device
-and the host reads the drafts back once, at the end.
+decode step, and everything it needs (positions, KV slots, context lengths) follows on the device from each
+request's last position, its limit and its block table: :func:`plan_draft_step` plans step j there, inside the
+graphs and in the eager steps (:func:`run_draft_steps`) alike, so the steps chain on the device and the host reads
+the drafts back once, at the end.
 
 A request that needs fewer drafts than the batch's most drops out as a *resting* row: position 0, context of one
 key, slot -1 (it writes no key: a slot past the request's blocks would be another request's). Its rows of the
@@ -18,11 +19,11 @@ worker/cuda_graphs.py) over static buffers::
     input_ids[bs]  hidden[bs, H]  positions[bs]  slot_mapping[bs]  seq_lens[bs]  block_table[bs, max_blocks]
 
 Each graph runs embed -> head -> logits -> argmax and writes its results back into its inputs: the draft into
-``input_ids`` and the head's hidden into ``hidden``, ready for the next step's replay; before each replay one
-device copy each brings that step's positions and slots, and its context lengths, from the plan (copied to the
-device once). Padding rows (n..bs) rest like the resting rows. The metadata is a decode step's with
-``max_seq_len`` fixed to ``max_model_len`` (the kernels read each row's length from ``seq_lens``), as in the
-target's decode graphs. Batches above the largest size run the same steps eagerly.
+``input_ids`` and the head's hidden into ``hidden``, ready for the next step's replay; each graph first plans its
+step (:func:`plan_draft_step`) from ``last_pos``, ``limit``, ``block_table`` and a step counter it counts up.
+Padding rows (n..bs) rest like the resting rows. The metadata is a decode step's with ``max_seq_len`` fixed to
+``max_model_len`` (the kernels read each row's length from ``seq_lens``), as in the target's decode graphs.
+Batches above the largest size run the same steps eagerly.
 
 :class:`CatchUpGraphs` captures the catch-up pass that precedes the draft steps, for passes after verification
 steps (at most k + 1 kept positions a request), laid out as the target's multi-token graphs; its graphs also take
@@ -62,43 +63,23 @@ def smallest_at_least(sizes: list[int], n: int) -> int | None:
     return None
 
 
-@dataclass
-class DraftStepPlan:
-    """The host inputs of draft steps ``0 .. steps - 1`` of ``n`` requests (rows ``n..`` padding, all resting)."""
-
-    positions: np.ndarray  # [steps, rows] int64
-    slot_mapping: np.ndarray  # [steps, rows] int64, -1: nothing written
-    seq_lens: np.ndarray  # [steps, rows] int32
-    block_table: np.ndarray  # [rows, num_blocks] int32
-    num_reqs: int
-
-
-def draft_step_plan(
-    last_pos: np.ndarray,  # [n] each request's last position (num_tokens - 1): where step 0 runs
-    num_drafts: np.ndarray,  # [n] drafts each request gets (>= 1); it runs steps j < num_drafts - 1
-    block_table: np.ndarray,  # [n, num_blocks] int32 the request's block ids, covering its steps' positions
+def plan_draft_step(
+    last_pos: torch.Tensor,  # [n] int64 each request's last position: step j runs it at last_pos + j
+    limit: torch.Tensor,  # [n] int64 it rests from this position on
+    step_idx: torch.Tensor | int,  # j: an int, or a [1] int64 tensor (a graph's step counter)
+    block_table: torch.Tensor,  # [n, nb >= 1] int32 its block ids, covering the positions it runs at
     block_size: int,
-    rows: int | None = None,  # pad to this many rows (>= n; default n)
-    steps: int | None = None,  # plan this many steps (default max(num_drafts) - 1)
-) -> DraftStepPlan:
-    """Positions, slots and context lengths of every draft step: step j runs a request at ``last_pos + j``
-    while it needs a draft after that step's (``j + 1 < num_drafts``), and rests otherwise."""
-    n = len(last_pos)
-    rows = n if rows is None else rows
-    steps = int(num_drafts.max(initial=1)) - 1 if steps is None else steps
-    j = np.arange(steps)[:, None]  # [steps, 1]
-    active = np.zeros((steps, rows), dtype=bool)
-    active[:, :n] = num_drafts[None, :] > j + 1
-    pos = np.zeros((steps, rows), dtype=np.int64)
-    pos[:, :n] = last_pos[None, :] + j
-    pos[~active] = 0
-    table = np.zeros((rows, max(block_table.shape[1], 1)), dtype=np.int32)
-    table[:n, : block_table.shape[1]] = block_table
-    r = np.broadcast_to(np.arange(rows)[None, :], pos.shape)
-    slots = table[r, pos // block_size].astype(np.int64) * block_size + pos % block_size
-    slots[~active] = -1
-    seq_lens = np.where(active, pos + 1, 1).astype(np.int32)
-    return DraftStepPlan(pos, slots, seq_lens, table, n)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Draft step j's positions ``[n]`` int64, KV slots ``[n]`` int64 and context lengths ``[n]`` int32, on the
+    inputs' device: request r runs at ``last_pos[r] + j`` while that is below ``limit[r]``, its slot read from
+    ``block_table``, and rests otherwise (position 0, slot -1, context 1). The one rule of both the step graphs
+    and the eager steps; nothing is read back to the host."""
+    pos = last_pos + step_idx  # [n]
+    active = pos < limit  # [n]
+    pos = torch.where(active, pos, 0)
+    blocks = block_table.gather(1, (pos // block_size).unsqueeze(1)).squeeze(1)  # [n]
+    slots = torch.where(active, blocks.long() * block_size + pos % block_size, -1)
+    return pos, slots, (pos + 1).to(torch.int32)  # (a resting row's position 0: context 1)
 
 
 def decode_metadata(
@@ -128,29 +109,33 @@ def decode_metadata(
 
 def run_draft_steps(
     step_fn: StepFn,
-    plan: DraftStepPlan,
-    tokens: torch.Tensor,  # [n] the drafts so far
-    hidden: torch.Tensor,  # [n, H] the head's hidden that made them
+    block_size: int,
+    last_pos: np.ndarray,  # [n] int64 each request's last position: step j runs it at last_pos + j
+    num_drafts: np.ndarray,  # [n] drafts each request gets (>= 1): it runs steps j < num_drafts - 1
+    block_table: np.ndarray,  # [n, nb >= 1] int32 its block ids, covering those steps' positions
+    tokens: torch.Tensor,  # [n] draft 1
+    hidden: torch.Tensor,  # [n, H] the head's hidden that made it
     out: torch.Tensor,  # [n, steps] step j's drafts go to out[:, j]
-    device: torch.device,
 ) -> None:
-    """The steps of ``plan``, eagerly (batches no graph fits, or no graphs): the same ops as a graph's replay,
-    over the plan's ``n`` requests, with nothing read back to the host."""
-    n = plan.num_reqs
-    table = torch.from_numpy(plan.block_table[:n]).to(device, non_blocking=True)
+    """The draft steps eagerly (batches no graph fits, or no graphs): each step planned by
+    :func:`plan_draft_step` on the device as a replay of :class:`DraftStepGraphs` plans it (``limit = last_pos +
+    num_drafts - 1``), over the ``n`` requests unpadded, with nothing read back to the host. The attention's host
+    twins (context lengths, and their maximum as ``max_seq_len``) come from the same plan run on the host."""
+    n, steps = out.shape
+    device = tokens.device
+    host = (
+        torch.from_numpy(last_pos),
+        torch.from_numpy(last_pos + num_drafts - 1),
+        torch.from_numpy(block_table),
+    )
+    on_host = device.type == "cpu"
+    last_dev, limit_dev, table_dev = host if on_host else (t.to(device, non_blocking=True) for t in host)
     qsl_cpu = torch.arange(n + 1, dtype=torch.int32)
     qsl = qsl_cpu.to(device, non_blocking=True)
-    for j in range(plan.positions.shape[0]):
-        seq_cpu = torch.from_numpy(plan.seq_lens[j, :n])
-        meta = decode_metadata(
-            seq_cpu.to(device, non_blocking=True),
-            table,
-            torch.from_numpy(plan.slot_mapping[j, :n]).to(device, non_blocking=True),
-            qsl,
-            int(plan.seq_lens[j, :n].max()),
-            (qsl_cpu, seq_cpu),
-        )
-        positions = torch.from_numpy(plan.positions[j, :n]).to(device, non_blocking=True)
+    for j in range(steps):
+        positions, slots, seq_lens = plan_draft_step(last_dev, limit_dev, j, table_dev, block_size)
+        seq_cpu = seq_lens if on_host else plan_draft_step(*host[:2], j, host[2], block_size)[2]
+        meta = decode_metadata(seq_lens, table_dev, slots, qsl, int(seq_cpu.max()), (qsl_cpu, seq_cpu))
         hidden, tokens = step_fn(tokens, hidden, positions, meta)
         out[:, j] = tokens
 
@@ -173,11 +158,10 @@ class DraftStepGraphs:
         ``graph_cls``: the graph type (``torch.cuda.CUDAGraph``; None where there is no GPU: ``EagerGraph``
         stand-ins that run ``step_fn`` again at each replay).
 
-        Each graph plans its own step on the device: step j (``step_idx``, counted up by the graph) runs request
-        r at ``last_pos[r] + j`` while that is below ``limit[r]``, and rests otherwise (position 0, no slot,
-        context 1), its slot read from ``block_table``. So a proposal's host work is filling ``last_pos``,
-        ``limit`` and ``block_table`` (from the host, or on the device after a verification step), then one
-        replay a step."""
+        Each graph plans its own step on the device (:func:`plan_draft_step`, step j being ``step_idx``, counted
+        up by the graph): request r runs at ``last_pos[r] + j`` while that is below ``limit[r]``, and rests
+        otherwise. So a proposal's host work is filling ``last_pos``, ``limit`` and ``block_table`` (from the
+        host, or on the device after a verification step), then one replay a step."""
         self.step_fn = step_fn
         self.sizes = capture_sizes(max_num_seqs)
         self.max_bs = b = self.sizes[-1]
@@ -230,15 +214,14 @@ class DraftStepGraphs:
         )
 
     def _plan(self, bs: int) -> None:
-        """Step ``step_idx``'s positions, slots and context lengths of the first ``bs`` rows (see __init__)."""
-        pos = self.last_pos[:bs] + self.step_idx  # [bs]
-        active = pos < self.limit[:bs]
-        pos = torch.where(active, pos, 0)
-        blocks = self.block_table[:bs].gather(1, (pos // self.block_size).unsqueeze(1)).squeeze(1)  # [bs]
-        slots = blocks.long() * self.block_size + pos % self.block_size
+        """Step ``step_idx``'s positions, slots and context lengths of the first ``bs`` rows
+        (:func:`plan_draft_step`), into the static buffers."""
+        pos, slots, seq_lens = plan_draft_step(
+            self.last_pos[:bs], self.limit[:bs], self.step_idx, self.block_table[:bs], self.block_size
+        )
         self.positions[:bs].copy_(pos)
-        self.slot_mapping[:bs].copy_(torch.where(active, slots, -1))
-        self.seq_lens[:bs].copy_(torch.where(active, pos + 1, 1))
+        self.slot_mapping[:bs].copy_(slots)
+        self.seq_lens[:bs].copy_(seq_lens)
 
     def _step(self, bs: int) -> None:
         """One draft step over the static buffers' first ``bs`` rows: its plan, the head, its results written
@@ -291,8 +274,8 @@ class DraftStepGraphs:
         hidden: torch.Tensor,  # [n, H] the head's hidden that made it
         out: torch.Tensor,  # [n, steps] step j's drafts go to out[:, j]
     ) -> None:
-        """As :func:`run_draft_steps` over ``draft_step_plan(last_pos, num_drafts, block_table, ...)``, replaying
-        the graph of the padded batch size (``padded_size(n)``, captured)."""
+        """As :func:`run_draft_steps` over the same inputs, replaying the graph of the padded batch size
+        (``padded_size(n)``, captured) once a step."""
         n, steps = out.shape
         bs = self.padded_size(n)
         assert bs in self.graphs and steps <= self.max_steps

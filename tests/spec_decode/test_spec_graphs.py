@@ -1,20 +1,27 @@
 """CUDA graphs for speculative decoding that reads the target's hidden states (EAGLE, EAGLE-3, MTP, Medusa): on CPU,
-the host plan of the draft steps, the graphs' output slicing, and whole engines whose graphs are stand-ins that
-run the forward again at each replay (``EagerGraph``): the runners' staging, padding and slicing, and the
-proposers' chained draft steps, give the eager engine's drafts and the plain engine's tokens. The GPU tests (real
-graphs) are in test_spec_graphs_gpu.py."""
+the plan of the draft steps (the eager steps' and the step graphs'), the graphs' output slicing, and whole engines
+whose graphs are stand-ins that run the forward again at each replay (``EagerGraph``): the runners' staging, padding
+and slicing, and the proposers' chained draft steps, give the eager engine's drafts and the plain engine's tokens.
+The GPU tests (real graphs) are in test_spec_graphs_gpu.py."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.attention.base import AttentionMetadata
 from pagedllm.layers.attention import Attention
-from pagedllm.spec_decode.head_graphs import draft_step_plan, speculation_graphs_summary
+from pagedllm.spec_decode.head_graphs import (
+    DraftStepGraphs,
+    plan_draft_step,
+    run_draft_steps,
+    speculation_graphs_summary,
+)
 from pagedllm.tokenizer import get_tokenizer
 from pagedllm.worker.graph_io import EagerGraph, copy_output, final_hidden, slice_rows
 from pagedllm.worker.piecewise_graphs import PiecewiseGraphRunner
@@ -45,27 +52,94 @@ def mtp_target(tmp_path_factory) -> str:
 
 
 def test_draft_step_plan_rests_requests_that_need_no_more_drafts():
-    """Step j runs a request at last_pos + j while it needs a draft after step j's; otherwise (and on padding
-    rows) position 0, context 1, slot -1."""
-    last_pos = np.array([5, 9, 2])
-    num_drafts = np.array([3, 1, 2])  # steps: request 0 runs 2, request 1 none, request 2 one
-    table = np.array([[7, 3, 0], [4, 8, 6], [2, 0, 0]], dtype=np.int32)
-    plan = draft_step_plan(last_pos, num_drafts, table, block_size=4, rows=4)
-    assert plan.num_reqs == 3 and plan.positions.shape == (2, 4)
-    assert plan.positions.tolist() == [[5, 0, 2, 0], [6, 0, 0, 0]]
-    assert plan.seq_lens.tolist() == [[6, 1, 3, 1], [7, 1, 1, 1]]
+    """Step j runs a request at last_pos + j while that is below its limit (last_pos + num_drafts - 1: it needs a
+    draft after step j's); otherwise (and on padding rows) position 0, context 1, slot -1."""
+    last_pos = torch.tensor([5, 9, 2, 0])
+    num_drafts = torch.tensor([3, 1, 2])  # steps: request 0 runs 2, request 1 none, request 2 one
+    limit = torch.tensor([*(last_pos[:3] + num_drafts - 1).tolist(), 0])  # row 3: padding, as the graphs pad
+    table = torch.tensor([[7, 3, 0], [4, 8, 6], [2, 0, 0], [0, 0, 0]], dtype=torch.int32)
+    plans = [plan_draft_step(last_pos, limit, j, table, block_size=4) for j in range(2)]
+    assert [p.tolist() for p, _, _ in plans] == [[5, 0, 2, 0], [6, 0, 0, 0]]
+    assert [s.tolist() for _, _, s in plans] == [[6, 1, 3, 1], [7, 1, 1, 1]]
     # position 5 -> block 1 (id 3), offset 1; position 2 -> block 0 (id 2), offset 2
-    assert plan.slot_mapping.tolist() == [[13, -1, 10, -1], [14, -1, -1, -1]]
-    assert plan.block_table.shape == (4, 3) and plan.block_table[3].tolist() == [0, 0, 0]
-    assert plan.block_table[:3].tolist() == table.tolist()
+    assert [s.tolist() for _, s, _ in plans] == [[13, -1, 10, -1], [14, -1, -1, -1]]
+    assert [(p.dtype, s.dtype, c.dtype) for p, s, c in plans[:1]] == [(torch.long, torch.long, torch.int32)]
+    # a graph's step counter (a [1] tensor on the device) plans the same step
+    for j, plan in enumerate(plans):
+        got = plan_draft_step(last_pos, limit, torch.tensor([j]), table, block_size=4)
+        assert all(torch.equal(a, b) for a, b in zip(got, plan))
 
 
-def test_draft_step_plan_defaults_and_a_fixed_step_count():
-    plan = draft_step_plan(np.array([0]), np.array([4]), np.array([[5, 6]], dtype=np.int32), block_size=2)
-    assert plan.positions.tolist() == [[0], [1], [2]]  # k - 1 steps, no padding
-    assert plan.slot_mapping.tolist() == [[10], [11], [12]]
-    plan = draft_step_plan(np.array([3]), np.array([1]), np.zeros((1, 1), dtype=np.int32), 4, steps=2)
-    assert (plan.slot_mapping == -1).all() and (plan.seq_lens == 1).all()  # one draft: every step rests
+def test_draft_step_plan_crosses_blocks_and_rests_a_request_of_one_draft():
+    table = torch.tensor([[5, 6]], dtype=torch.int32)
+    last_pos, limit = torch.tensor([0]), torch.tensor([0 + 4 - 1])  # 4 drafts
+    plans = [plan_draft_step(last_pos, limit, j, table, block_size=2) for j in range(3)]  # k - 1 steps
+    assert [p.tolist() for p, _, _ in plans] == [[0], [1], [2]]
+    assert [s.tolist() for _, s, _ in plans] == [[10], [11], [12]]
+    table = torch.zeros(1, 1, dtype=torch.int32)
+    last_pos, limit = torch.tensor([3]), torch.tensor([3 + 1 - 1])  # 1 draft
+    for j in range(2):  # one draft: every step it is planned for rests
+        pos, slots, seq_lens = plan_draft_step(last_pos, limit, j, table, 4)
+        assert pos.tolist() == [0] and slots.tolist() == [-1] and seq_lens.tolist() == [1]
+
+
+def test_eager_draft_steps_match_the_step_graphs_with_resting_requests():
+    """The eager steps (batches no graph fits) and the step graphs (stand-ins, padded to 4 rows) over the same
+    requests, two of which rest from some step on: the same plans, the same KV writes, the same drafts."""
+    block_size, hidden_size = 4, 3
+    last_pos = np.array([5, 9, 2], dtype=np.int64)
+    num_drafts = np.array([4, 1, 2], dtype=np.int64)  # request 0 runs 3 steps, request 1 none, request 2 one
+    table = np.array([[7, 3, 0], [4, 8, 6], [2, 5, 0]], dtype=np.int32)
+    n, steps = len(last_pos), int(num_drafts.max()) - 1
+    tokens = torch.tensor([11, 22, 33])  # [n] draft 1
+    hidden = torch.arange(n * hidden_size, dtype=torch.float32).view(n, hidden_size)  # [n, H]
+
+    def toy_head(cache: torch.Tensor, plans: list) -> Callable:
+        """A step that writes each row's key at its slot and reads its context through the block table, like
+        attention; its drafts depend on the tokens, positions, contexts and hidden."""
+
+        def step(tok: torch.Tensor, hid: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata):
+            m = tok.shape[0]
+            plans.append((pos[:n].clone(), meta.slot_mapping[:n].clone(), meta.seq_lens[:n].clone()))
+            assert torch.equal(meta.seq_lens_cpu[:m], meta.seq_lens[:m])
+            write = meta.slot_mapping >= 0
+            cache[meta.slot_mapping[write]] = tok[write] + 1
+            p = torch.arange(meta.block_table.shape[1] * block_size)  # [P] every position the table covers
+            slots = meta.block_table[:m, p // block_size].long() * block_size + p % block_size  # [m, P]
+            context = torch.where(p < meta.seq_lens[:m, None], cache[slots], 0).sum(1)  # [m]
+            hid = hid + (context + pos)[:, None]
+            return hid, (tok * 31 + pos * 7 + context + hid.sum(1).long()) % 1000
+
+        return step
+
+    initial = torch.arange(9 * block_size) * 3  # 9 blocks: every id in the table; the keys before the steps
+    eager_cache, eager_plans = initial.clone(), []
+    eager_out = torch.full((n, steps), -7)
+    step = toy_head(eager_cache, eager_plans)
+    run_draft_steps(step, block_size, last_pos, num_drafts, table, tokens, hidden, eager_out)
+
+    graph_cache, graph_plans = initial.clone(), []
+    graphs = DraftStepGraphs(
+        toy_head(graph_cache, graph_plans), hidden_size, torch.float32, 4, steps, 3, 12, torch.device("cpu"),
+        block_size,
+    )  # fmt: skip
+    graphs.capture()
+    assert graphs.padded_size(n) == 4 and torch.equal(graph_cache, initial)  # (capturing writes no key)
+    graph_plans.clear()
+    graph_out = torch.full((n, steps), -7)
+    graphs.run(last_pos, num_drafts, table, tokens, hidden, graph_out)
+    assert graphs.num_replays == {4: steps}
+
+    assert [[t.tolist() for t in plan] for plan in eager_plans] == [
+        [[5, 0, 2], [13, -1, 10], [6, 1, 3]],
+        [[6, 0, 0], [14, -1, -1], [7, 1, 1]],
+        [[7, 0, 0], [15, -1, -1], [8, 1, 1]],
+    ]
+    assert [[t.tolist() for t in plan] for plan in graph_plans] == [
+        [t.tolist() for t in plan] for plan in eager_plans
+    ]
+    assert torch.equal(graph_cache, eager_cache) and not torch.equal(eager_cache, initial)
+    assert torch.equal(graph_out, eager_out) and (eager_out >= 0).all()
 
 
 # ---------------------------------------------------------------------------------------------------- outputs
