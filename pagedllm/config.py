@@ -852,10 +852,10 @@ def _check_pipeline_parallel(
 
     pp = parallel_config.pipeline_parallel_size
     for what, used in (
-        (  # (EAGLE-1 and Medusa read the last stage's hidden states, which the sampler sends to rank 0; EAGLE-3's
-            # come from layers of several stages, an MTP layer's weights from the last stage's part of the checkpoint)
-            "speculative_config.method 'eagle3' / 'mtp'",
-            spec is not None and spec.method in ("eagle3", *MTP_METHODS),
+        (  # (EAGLE-1, Medusa and MTP read the last stage's hidden states, which the sampler sends to rank 0;
+            # EAGLE-3's come from layers of several stages)
+            "speculative_config.method 'eagle3'",
+            spec is not None and spec.method == "eagle3",
         ),
         ("data_parallel_size > 1", parallel_config.data_parallel_size > 1),
     ):

@@ -45,9 +45,10 @@ appends the sampled tokens that ride along with the next ``launch``::
 Synchronous scheduling and eager steps. n-gram and draft-model drafts ride the broadcast step to every stage; the
 last stage computes the verification logits and the sampler verifies, and the other ranks append the emitted
 tokens with the next launch, as under TP. An EAGLE head or Medusa heads run on rank 0 (as under TP, with whole
-copies of the target's embedding and LM head) over the last stage's final hidden states, which the sampler sends
-after each step's output on the link group ([num_tokens, H], as bytes); EAGLE-3 (hidden states of layers on
-several stages) and MTP are refused with pipeline_parallel_size > 1 in pagedllm/config.py. Quantized checkpoints
+copies of the target's embedding and LM head), and so does an MTP layer (its own LM head, the first stage's
+embedding), over the last stage's final hidden states, which the sampler sends after each step's output on the
+link group ([num_tokens, H], as bytes); EAGLE-3 (hidden states of layers on several stages) is refused with
+pipeline_parallel_size > 1 in pagedllm/config.py. Quantized checkpoints
 load stage by stage like any other, and each stage's LoRA manager loads the part of an adapter its layers hold
 (the rest: ``LoRAManager.absent``).
 

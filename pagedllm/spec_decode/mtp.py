@@ -79,6 +79,11 @@ class MTPProposer(EagleProposer):
                 f"(model.layers.{hf.num_hidden_layers}.*)"
             )
         own_lm_head = dummy or "layers.0.shared_head.head.weight" in tensors
+        if not own_lm_head and getattr(runner, "pp", None) is not None:  # (rank 0's stage has no LM head)
+            raise ValueError(
+                f"speculative_config.method {spec.method!r} with pipeline_parallel_size > 1 needs an MTP layer "
+                f"with its own LM head (model.layers.{hf.num_hidden_layers}.shared_head.head.weight)"
+            )
         with _default_dtype(mc.dtype), torch.device(self.device):
             head = DeepseekMTP(hf, runner.attn_backend, target, own_lm_head=own_lm_head)
         if dummy:
@@ -89,7 +94,9 @@ class MTPProposer(EagleProposer):
         if not own_lm_head:
             head.target_lm_head = target.compute_logits
         self.head = head.eval()
-        self.embed = None  # the target's embedding (one process: tensor parallelism is refused at start-up)
+        # The target's embedding: whole on rank 0 (tensor parallelism is refused at start-up; under pipeline
+        # parallelism rank 0 holds the first stage, the embedding's).
+        self.embed = None
         self.lm_head = None
         self.aux_layers = ()
         self.kv_cache: list[torch.Tensor] = []

@@ -174,7 +174,7 @@ def test_pp_flag_reaches_the_engine_config(llama3l, monkeypatch):
                 "pipeline_parallel_size": 2,
                 "speculative_config": {"method": "eagle3", "model": "TINY", "num_speculative_tokens": 2},
             },
-            "speculative_config.method 'eagle3' / 'mtp' with pipeline_parallel_size",
+            "speculative_config.method 'eagle3' with pipeline_parallel_size",
         ),
         (
             "llama",

@@ -253,6 +253,48 @@ def test_mtp_defaults_and_startup_errors(v3_dirs, tiny_llama, tmp_path):
     with pytest.raises(ValueError, match="speculative_config.model must be the target's own checkpoint"):
         LLM(v3_dirs["mtp"], device="cpu",
             speculative_config={"method": "mtp", "model": v3_dirs["copy"], "num_speculative_tokens": 1})  # fmt: skip
-    with pytest.raises(ValueError, match="pipeline_parallel_size"):
-        LLM(v3_dirs["mtp"], device="cpu", pipeline_parallel_size=2, distributed_executor_backend="mp",
+    no_head = tmp_path / "no_head"
+    shutil.copytree(v3_dirs["mtp"], no_head)
+    weights = load_file(str(no_head / "model.safetensors"))
+    n = config["num_hidden_layers"]
+    del weights[f"model.layers.{n}.shared_head.head.weight"]
+    save_file(weights, str(no_head / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size > 1 needs an MTP layer with its own LM head"):
+        LLM(str(no_head), device="cpu", pipeline_parallel_size=2, distributed_executor_backend="mp",
             speculative_config={"method": "mtp", "num_speculative_tokens": 1})  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["mtp", "copy"])
+def test_mtp_under_pipeline_parallelism_drafts_as_in_one_process(v3_dirs, name):
+    """PP=2: the MTP layer runs on rank 0 (the first stage holds the embedding; the layer has its own LM head) over
+    the last stage's final hidden states, which the sampler sends after each step. The drafts are the
+    one-process engine's, step by step (each stage computes its layers as one process does); the layer that
+    copies the target has every draft accepted; every rank's batch equals rank 0's; no block leaks."""
+    from tests.distributed.test_pp_engine import record_drafts
+
+    prompts, want = _plain_greedy(v3_dirs[name])
+    one = _llm(v3_dirs[name], k=2, max_num_batched_tokens=16)
+    drafts_one = record_drafts(one)
+    assert _greedy(one, prompts) == want
+    one.llm_engine.engine_core.shutdown()
+    llm = _llm(v3_dirs[name], k=2, max_num_batched_tokens=16, pipeline_parallel_size=2)
+    try:
+        core = llm.llm_engine.engine_core
+        drafts = record_drafts(llm)
+        step = core.step
+
+        def checked_step():
+            out = step()
+            core.runner.check_batches()
+            return out
+
+        core.step = checked_step
+        assert _greedy(llm, prompts) == want
+        assert drafts == drafts_one and any(d for step_drafts in drafts for _, d in step_drafts)
+        s = stats(llm)
+        if name == "copy":
+            assert 0 < s.spec_num_accepted_tokens == s.spec_num_draft_tokens
+        core.check_integrity()
+        assert core.kv_cache_manager.num_free_blocks == core.kv_cache_manager.pool.num_blocks
+    finally:
+        core.shutdown()
