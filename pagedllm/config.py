@@ -851,16 +851,8 @@ def _check_pipeline_parallel(
     )
 
     pp = parallel_config.pipeline_parallel_size
-    for what, used in (
-        (  # (EAGLE-1, Medusa and MTP read the last stage's hidden states, which the sampler sends to rank 0;
-            # EAGLE-3's come from layers of several stages)
-            "speculative_config.method 'eagle3'",
-            spec is not None and spec.method == "eagle3",
-        ),
-        ("data_parallel_size > 1", parallel_config.data_parallel_size > 1),
-    ):
-        if used:
-            raise ValueError(f"{what} with pipeline_parallel_size > 1 is not supported yet")
+    if parallel_config.data_parallel_size > 1:
+        raise ValueError("data_parallel_size > 1 with pipeline_parallel_size > 1 is not supported yet")
     verify_pp_config(model_config.hf_config, pp)  # the architecture, and no more stages than layers
     if parallel_config.pp_layer_partition is None:
         parallel_config.pp_layer_partition = pp_layer_partition(

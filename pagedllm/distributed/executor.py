@@ -47,8 +47,8 @@ last stage computes the verification logits and the sampler verifies, and the ot
 tokens with the next launch, as under TP. An EAGLE head or Medusa heads run on rank 0 (as under TP, with whole
 copies of the target's embedding and LM head), and so does an MTP layer (its own LM head, the first stage's
 embedding), over the last stage's final hidden states, which the sampler sends after each step's output on the
-link group ([num_tokens, H], as bytes); EAGLE-3 (hidden states of layers on several stages) is refused with
-pipeline_parallel_size > 1 in pagedllm/config.py. Quantized checkpoints
+link group ([num_tokens, H], as bytes; EAGLE-3's [num_tokens, 3H] states of layers on several stages reach the
+last stage with the activations, pagedllm/distributed/pipeline.py). Quantized checkpoints
 load stage by stage like any other, and each stage's LoRA manager loads the part of an adapter its layers hold
 (the rest: ``LoRAManager.absent``).
 
@@ -618,7 +618,9 @@ class MultiprocRunner:
             with self._collective():
                 dist.broadcast_object_list(msg, src=self._sampler, group=self._link)
                 if self.runner.keep_hidden and step.query_start is not None:  # for an EAGLE head or Medusa heads
-                    hidden_size = self.runner.config.model_config.hf_config.hidden_size
+                    # [T, H], or EAGLE-3's [T, A * H]
+                    aux = getattr(getattr(self.runner.model, "model", None), "aux_hidden_state_layers", ())
+                    hidden_size = self.runner.config.model_config.hf_config.hidden_size * max(1, len(aux))
                     num_tokens = int(step.query_start[-1])
                     step.draft_hidden = _receive_hidden(
                         self._link, self._sampler, num_tokens, hidden_size, self.runner

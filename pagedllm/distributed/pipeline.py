@@ -10,7 +10,8 @@ Stage ``s`` of a Llama-family model owns::
     model.norm, lm_head       the last stage
 
 Between stages travel the residual stream's two halves, ``(hidden, residual)``, each ``[num_tokens, hidden_size]``
-in the model dtype: the receiver knows the shape from the step's token count, so only the tensor crosses.
+in the model dtype, followed (EAGLE-3) by the residual stream entering each of its layers the stages so far hold:
+the receiver knows the shape from the step's token count and its first layer, so only the tensor crosses.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class IntermediateTensors:
 
     hidden: torch.Tensor  # [num_tokens, hidden_size] the last layer's output
     residual: torch.Tensor  # [num_tokens, hidden_size] the residual stream before it is added
+    # [A, num_tokens, hidden_size] the residual stream entering each EAGLE-3 layer of the stages so far (None: none)
+    aux: torch.Tensor | None = None
 
 
 def run_stage(
@@ -62,16 +65,26 @@ def run_stage(
     intermediate = None
     if not pp.is_first:
         num_tokens = input_ids.shape[0]
-        # [2, T, hidden_size]: hidden, residual
-        buf = torch.empty(2, num_tokens, hidden_size, dtype=dtype, device=input_ids.device)
+        num_aux = _num_aux_before(model)
+        # [2 + A, T, hidden_size]: hidden, residual, the earlier stages' EAGLE-3 states
+        buf = torch.empty(2 + num_aux, num_tokens, hidden_size, dtype=dtype, device=input_ids.device)
         if communicate:
             recv_from_prev_stage(buf, pp)
         else:
             buf.zero_()
-        intermediate = IntermediateTensors(buf[0], buf[1])
+        intermediate = IntermediateTensors(buf[0], buf[1], buf[2:] if num_aux else None)
     out = model(input_ids, positions, kv_caches, attn_metadata, intermediate=intermediate)
     if pp.is_last:
         return out
     if communicate:
-        send_to_next_stage(torch.stack((out.hidden, out.residual)), pp)  # [2, T, hidden_size]
+        parts = (out.hidden[None], out.residual[None]) + (() if out.aux is None else (out.aux,))
+        send_to_next_stage(torch.cat(parts), pp)  # [2 + A', T, hidden_size]
     return None
+
+
+def _num_aux_before(model: nn.Module) -> int:
+    """How many of the layers whose hidden states an EAGLE-3 draft reads come before this stage's first layer (the
+    states the previous stage sends along)."""
+    inner = getattr(model, "model", None)
+    start = getattr(inner, "start_layer", 0)
+    return sum(1 for i in getattr(inner, "aux_hidden_state_layers", ()) if i < start)

@@ -313,20 +313,22 @@ class LlamaModel(nn.Module):
         Pipeline stages: the first embeds ``input_ids``, the others start from ``intermediate`` (the previous
         stage's output); ``kv_caches`` holds this stage's layers only; a stage before the last returns its
         ``IntermediateTensors`` instead of normed hidden states."""
+        aux = []  # [T, hidden_size] each: the residual stream entering each EAGLE-3 layer, in layer order
         if intermediate is None:
             hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds  # [T, hidden_size]
             residual = None
         else:
             hidden, residual = intermediate.hidden, intermediate.residual
+            if intermediate.aux is not None:  # the earlier stages' (pipeline parallelism)
+                aux.extend(intermediate.aux)
         aux_layers = self.aux_hidden_state_layers
-        aux = []
         end = len(self.layers) if self.end_layer is None else self.end_layer
         for i, kv_cache in zip(range(self.start_layer, end), kv_caches, strict=True):
             if i in aux_layers:
                 aux.append(hidden if residual is None else hidden + residual)
             hidden, residual = self.layers[i](positions, hidden, residual, kv_cache, attn_metadata)
         if not self.is_last_stage:
-            return IntermediateTensors(hidden, residual)
+            return IntermediateTensors(hidden, residual, torch.stack(aux) if aux else None)
         hidden, _ = self.norm(hidden, residual)
         if aux:
             return hidden, torch.cat(aux, dim=-1)

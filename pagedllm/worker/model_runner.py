@@ -99,6 +99,13 @@ class ModelRunner:
         offload = new_offloader(offload_gb, self.device)
         self.model = get_model(mc, self.device, self.attn_backend, tp=tp, pp=self.pp, weight_offload=offload)
         self.weight_offload = loaded_offloader(offload, offload_gb)
+        if self.pp is not None and getattr(config.speculative_config, "method", None) == "eagle3":
+            # Every stage collects the hidden states of its EAGLE-3 layers (they ride to the last stage with the
+            # activations, and from there to the head on rank 0).
+            from pagedllm.models.eagle import eagle3_aux_layers
+
+            inner = self.model.model
+            inner.aux_hidden_state_layers = eagle3_aux_layers(len(inner.layers))
         self.tp_size = 1 if tp is None else tp.size
         self.num_kv_heads = local_num_kv_heads(mc.num_kv_heads, self.tp_size)  # this rank's
         logger.info(

@@ -170,23 +170,12 @@ def test_pp_flag_reaches_the_engine_config(llama3l, monkeypatch):
         ("llama", {"pipeline_parallel_size": 0}, "pipeline_parallel_size must be an integer >= 1"),
         (
             "llama",
-            {
-                "pipeline_parallel_size": 2,
-                "speculative_config": {"method": "eagle3", "model": "TINY", "num_speculative_tokens": 2},
-            },
-            "speculative_config.method 'eagle3' with pipeline_parallel_size",
-        ),
-        (
-            "llama",
             {"pipeline_parallel_size": 2, "data_parallel_size": 2},
             "data_parallel_size > 1 with pipeline",
         ),
     ],
 )
 def test_bad_pipeline_configs_fail_at_startup(tiny_model_dirs, arch, kw, field):
-    spec = kw.get("speculative_config")
-    if spec is not None:  # an EAGLE-3 head is refused before it is read: any model directory will do
-        kw = {**kw, "speculative_config": {**spec, "model": tiny_model_dirs[arch]}}
     with pytest.raises(ValueError, match=field):
         LLM(tiny_model_dirs[arch], device="cpu", **kw)
 
@@ -285,10 +274,19 @@ def test_pp2_speculative_decoding_matches_transformers(llama3l, proposer):
         shutdown(llm)
 
 
-@pytest.mark.parametrize("method, tp", [("eagle", 1), ("medusa", 1), ("eagle", 2)])
-def test_pp2_eagle_and_medusa_draft_as_in_one_process(llama3l, tmp_path, method, tp):
+@pytest.fixture(scope="module")
+def llama8l(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """EAGLE-3 reads target layers 2, 4 and 5 of 8: three stages of (3, 3, 2) layers hold one, two and none."""
+    return make_tiny_model("llama", tmp_path_factory.mktemp("pp8") / "llama8l", num_hidden_layers=8)
+
+
+@pytest.mark.parametrize(
+    "method, tp, pp", [("eagle", 1, 2), ("medusa", 1, 2), ("eagle", 2, 2), ("eagle3", 1, 3)]
+)
+def test_pp_eagle_medusa_draft_as_in_one_process(llama3l, llama8l, tmp_path, method, tp, pp):
     """An EAGLE head (whole copies of the target's embedding and LM head) or Medusa heads run on rank 0 over the
-    last stage's final hidden states, which the sampler sends after each step: greedy output equals transformers'
+    last stage's final hidden states, which the sampler sends after each step; EAGLE-3's states of layers 2, 4 and
+    5 ride to the last stage with the activations, each stage adding its own. Greedy output equals transformers'
     (chunked prefills, a prefix hit) and the drafts are the one-process engine's (the same acceptance counts: each
     stage computes its layers as one process does, and the hidden states cross as bytes). Under TP=2 too (the
     sampler's hidden states are whole after the all-reduce: transformers' output). Every rank's batch equals rank
@@ -296,19 +294,20 @@ def test_pp2_eagle_and_medusa_draft_as_in_one_process(llama3l, tmp_path, method,
     from tests.spec_decode.test_eagle import PROMPTS, make_eagle_head
     from tests.spec_decode.test_medusa import make_medusa_heads
 
-    if method == "eagle":
-        head = make_eagle_head(llama3l, tmp_path / "eagle", "eagle")
+    target = llama8l if method == "eagle3" else llama3l
+    if method in ("eagle", "eagle3"):
+        head = make_eagle_head(target, tmp_path / method, method)
     else:
-        head, _ = make_medusa_heads(llama3l, tmp_path / "medusa")
+        head, _ = make_medusa_heads(target, tmp_path / "medusa")
     spec = {"method": method, "model": head, "num_speculative_tokens": 3}
     prompts = [list(p) for p in PROMPTS] + [list(PROMPTS[3]) + [21, 22]]  # the last one hits the prefix cache
     kw = dict(speculative_config=spec, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=16)
-    one = pp_llm(llama3l, pp=1, **kw)
+    one = pp_llm(target, pp=1, **kw)
     drafts_one = record_drafts(one)
     expected = greedy_ids(one, prompts, max_tokens_override=24)
     s1 = one.llm_engine.get_stats()
     shutdown(one)
-    llm = pp_llm(llama3l, tensor_parallel_size=tp, **kw)
+    llm = pp_llm(target, pp=pp, tensor_parallel_size=tp, **kw)
     try:
         core = llm.llm_engine.engine_core
         drafts = record_drafts(llm)
@@ -320,7 +319,9 @@ def test_pp2_eagle_and_medusa_draft_as_in_one_process(llama3l, tmp_path, method,
             return out
 
         core.step = checked_step
-        assert greedy_ids(llm, prompts, max_tokens_override=24) == expected == hf_greedy(llama3l, prompts, 24)
+        assert greedy_ids(llm, prompts, max_tokens_override=24) == expected == hf_greedy(target, prompts, 24)
+        if pp == 3:
+            assert llm.llm_engine.engine_core.config.parallel_config.pp_layer_partition == (3, 3, 2)
         s = llm.llm_engine.get_stats()
         assert s.spec_num_draft_tokens > 0 and any(d for step_drafts in drafts for _, d in step_drafts)
         if tp == 1:  # (under TP the all-reduced sums round otherwise: a random head's near ties may flip)
