@@ -1092,6 +1092,8 @@ def make_engine_config(
     if parallel_config.pipeline_parallel_size > 1:
         # The stages exchange step N's sampled tokens on the host before step N+1 (pagedllm/distributed/executor.py;
         # under TP alone rank 0 broadcasts them on the device instead, so scheduling stays asynchronous).
+        if async_scheduling:
+            raise ValueError("async_scheduling=True with pipeline_parallel_size > 1 is not supported yet")
         scheduler_config.async_scheduling = False
     if spec is not None:
         spec.check_target(model_config)

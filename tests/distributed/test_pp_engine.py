@@ -173,6 +173,11 @@ def test_pp_flag_reaches_the_engine_config(llama3l, monkeypatch):
             {"pipeline_parallel_size": 2, "data_parallel_size": 2},
             "data_parallel_size > 1 with pipeline",
         ),
+        (  # asked for, not silently dropped (left unset, a PP engine schedules synchronously)
+            "llama",
+            {"pipeline_parallel_size": 2, "async_scheduling": True},
+            r"async_scheduling=True with pipeline_parallel_size > 1",
+        ),
     ],
 )
 def test_bad_pipeline_configs_fail_at_startup(tiny_model_dirs, arch, kw, field):
