@@ -836,12 +836,7 @@ def check_cpu_offload_gb(value: Any) -> None:
         raise ValueError(f"cpu_offload_gb must be a finite number >= 0 (GiB), got {value!r}")
 
 
-def _check_pipeline_parallel(
-    parallel_config: ParallelConfig,
-    model_config: ModelConfig,
-    spec: SpeculativeConfig | None,
-    lora_config: LoRAConfig | None,
-) -> None:
+def _check_pipeline_parallel(parallel_config: ParallelConfig, model_config: ModelConfig) -> None:
     """``ValueError`` naming ``pipeline_parallel_size`` for what pipeline parallelism does not support yet; fills
     ``parallel_config.pp_layer_partition`` (vLLM's even split, or ``VLLM_PP_LAYER_PARTITION``)."""
     from pagedllm.distributed.parallel_state import (
@@ -1084,7 +1079,7 @@ def make_engine_config(
             )
     _apply_expert_parallel(parallel_config, model_config)
     if pipeline_parallel_size > 1:
-        _check_pipeline_parallel(parallel_config, model_config, spec, lora_config)
+        _check_pipeline_parallel(parallel_config, model_config)
     if tensor_parallel_size > 1:
         from pagedllm.distributed.parallel_state import verify_tp_config
 
