@@ -294,8 +294,9 @@ def test_pp_eagle_medusa_draft_as_in_one_process(llama3l, llama8l, tmp_path, met
     5 ride to the last stage with the activations, each stage adding its own. Greedy output equals transformers'
     (chunked prefills, a prefix hit) and the drafts are the one-process engine's (the same acceptance counts: each
     stage computes its layers as one process does, and the hidden states cross as bytes). Under TP=2 too (the
-    sampler's hidden states are whole after the all-reduce: transformers' output). Every rank's batch equals rank
-    0's after each step; no block leaks."""
+    sampler's hidden states are whole after the all-reduce: transformers' output). With EAGLE, a grammar-constrained
+    and a seeded request beside greedy ones give the one-process texts. Every rank's batch equals rank 0's after
+    each step; no block leaks."""
     from tests.spec_decode.test_eagle import PROMPTS, make_eagle_head
     from tests.spec_decode.test_medusa import make_medusa_heads
 
@@ -308,9 +309,11 @@ def test_pp_eagle_medusa_draft_as_in_one_process(llama3l, llama8l, tmp_path, met
     prompts = [list(p) for p in PROMPTS] + [list(PROMPTS[3]) + [21, 22]]  # the last one hits the prefix cache
     kw = dict(speculative_config=spec, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=16)
     one = pp_llm(target, pp=1, **kw)
-    drafts_one = record_drafts(one)
+    recorded_one = record_drafts(one)
     expected = greedy_ids(one, prompts, max_tokens_override=24)
-    s1 = one.llm_engine.get_stats()
+    drafts_one, s1 = list(recorded_one), one.llm_engine.get_stats()
+    mixed = method == "eagle" and tp == 1  # also a constrained and a seeded request beside greedy ones
+    mixed_expected = _mixed_texts(one) if mixed else None
     shutdown(one)
     llm = pp_llm(target, pp=pp, tensor_parallel_size=tp, **kw)
     try:
@@ -335,10 +338,29 @@ def test_pp_eagle_medusa_draft_as_in_one_process(llama3l, llama8l, tmp_path, met
                 s1.spec_num_draft_tokens,
                 s1.spec_num_accepted_tokens,
             )
+        if mixed:
+            texts = _mixed_texts(llm)
+            assert texts == mixed_expected and texts[0] in CHOICES
         core.check_integrity()
         assert core.kv_cache_manager.num_free_blocks == core.kv_cache_manager.pool.num_blocks
     finally:
         shutdown(llm)
+
+
+CHOICES = ["alpha beta", "gamma"]
+
+
+def _mixed_texts(llm: LLM) -> list[str]:
+    """A grammar-constrained request (its bitmask per draft position), a seeded random one and two greedy ones
+    in one batch: their texts."""
+    constrained = SamplingParams(
+        temperature=0.0, max_tokens=12, structured_outputs=StructuredOutputsParams(choice=CHOICES)
+    )
+    seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=30, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    prompts = ["pick one", "the quick brown fox", "once upon a time", "hello"]
+    outs = llm.generate(prompts, [constrained, greedy, seeded, greedy], use_tqdm=False)
+    return [o.outputs[0].text for o in outs]
 
 
 def record_drafts(llm: LLM) -> list[list[tuple[str, list[int]]]]:
