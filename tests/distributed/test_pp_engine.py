@@ -299,6 +299,7 @@ def test_pp_eagle_medusa_draft_as_in_one_process(llama3l, llama8l, tmp_path, met
     each step; no block leaks."""
     from tests.spec_decode.test_eagle import PROMPTS, make_eagle_head
     from tests.spec_decode.test_medusa import make_medusa_heads
+    from tests.spec_decode.test_spec_tp import check_every_step
 
     target = llama8l if method == "eagle3" else llama3l
     if method in ("eagle", "eagle3"):
@@ -319,15 +320,9 @@ def test_pp_eagle_medusa_draft_as_in_one_process(llama3l, llama8l, tmp_path, met
     try:
         core = llm.llm_engine.engine_core
         drafts = record_drafts(llm)
-        step = core.step
-
-        def checked_step():
-            out = step()
-            core.runner.check_batches()
-            return out
-
-        core.step = checked_step
+        checks = check_every_step(llm)
         assert greedy_ids(llm, prompts, max_tokens_override=24) == expected == hf_greedy(target, prompts, 24)
+        assert checks[0] > 0
         if pp == 3:
             assert llm.llm_engine.engine_core.config.parallel_config.pp_layer_partition == (3, 3, 2)
         s = llm.llm_engine.get_stats()

@@ -271,6 +271,7 @@ def test_mtp_under_pipeline_parallelism_drafts_as_in_one_process(v3_dirs, name):
     one-process engine's, step by step (each stage computes its layers as one process does); the layer that
     copies the target has every draft accepted; every rank's batch equals rank 0's; no block leaks."""
     from tests.distributed.test_pp_engine import record_drafts
+    from tests.spec_decode.test_spec_tp import check_every_step
 
     prompts, want = _plain_greedy(v3_dirs[name])
     one = _llm(v3_dirs[name], k=2, max_num_batched_tokens=16)
@@ -281,15 +282,8 @@ def test_mtp_under_pipeline_parallelism_drafts_as_in_one_process(v3_dirs, name):
     try:
         core = llm.llm_engine.engine_core
         drafts = record_drafts(llm)
-        step = core.step
-
-        def checked_step():
-            out = step()
-            core.runner.check_batches()
-            return out
-
-        core.step = checked_step
-        assert _greedy(llm, prompts) == want
+        checks = check_every_step(llm)
+        assert _greedy(llm, prompts) == want and checks[0] > 0
         assert drafts == drafts_one and any(d for step_drafts in drafts for _, d in step_drafts)
         s = stats(llm)
         if name == "copy":
