@@ -269,7 +269,7 @@ def _sample_for_rank0(runner: Any, step: Any, link: Any, rank: int) -> None:
     runner.sample(step, msg[0])
     dist.broadcast_object_list([runner.collect(step)], src=rank, group=link)
     if runner.keep_hidden and step.query_start is not None:  # (None: a step of no tokens)
-        # An EAGLE head or Medusa heads on rank 0 read the step's final hidden states.
+        # The proposer on rank 0 (an EAGLE head, Medusa heads, an MTP layer) reads the step's final hidden states.
         dist.broadcast(_as_bytes(step.draft_hidden), src=rank, group=link)
 
 
@@ -617,7 +617,7 @@ class MultiprocRunner:
             msg: list[Any] = [None]
             with self._collective():
                 dist.broadcast_object_list(msg, src=self._sampler, group=self._link)
-                if self.runner.keep_hidden and step.query_start is not None:  # for an EAGLE head or Medusa heads
+                if self.runner.keep_hidden and step.query_start is not None:  # for the proposer here
                     # [T, H], or EAGLE-3's [T, A * H]
                     aux = getattr(getattr(self.runner.model, "model", None), "aux_hidden_state_layers", ())
                     hidden_size = self.runner.config.model_config.hf_config.hidden_size * max(1, len(aux))
