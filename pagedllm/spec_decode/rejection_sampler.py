@@ -21,6 +21,7 @@ not depend on the other rows of the batch; the other rows share batched draws fr
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from pagedllm.sample.ops import random_sample
@@ -146,14 +147,42 @@ def greedy_verify(
     return _greedy_verify(draft_token_ids, True, target_logits, positions)
 
 
+def greedy_verify_flat(
+    draft_token_ids: torch.Tensor,  # [batch, k] int64 (past a row's num_draft: any value)
+    num_draft: np.ndarray,  # [batch] drafts per row, 0..k (host)
+    flat_logits: torch.Tensor,  # [sum(num_draft + 1), vocab] each row's num_draft + 1 logit rows in turn
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``greedy_verify`` of rows with any number of drafts (0..k), on their logit rows laid end to end as a
+    verification step computes them: the argmax of every row first, then each request's ``k + 1`` positions
+    gathered from it (short requests repeat their last, which no draft reaches), so no vocabulary row is copied."""
+    batch, k = draft_token_ids.shape
+    dev = flat_logits.device
+    counts = num_draft + 1
+    starts = np.cumsum(counts) - counts  # [batch] each row's first logit row
+    idx = starts[:, None] + np.minimum(np.arange(k + 1)[None, :], num_draft[:, None])  # [batch, k + 1]
+    is_draft = torch.from_numpy(np.arange(k)[None, :] < num_draft[:, None]).to(dev, non_blocking=True)
+    rows = torch.from_numpy(idx).to(dev, non_blocking=True)
+    target_argmax = flat_logits.argmax(dim=-1)[rows]  # [batch, k + 1]
+    positions = torch.arange(k + 1, device=dev)
+    return _verify_argmax(draft_token_ids, is_draft, target_argmax, positions)
+
+
 def _greedy_verify(
     drafts: torch.Tensor, is_draft: torch.Tensor | bool, target_logits: torch.Tensor, positions: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``rejection_sample`` when every row is greedy (known on the host): the same result in a few launches. The
     accepted drafts equal the target's argmax where they stand, so a row's output is the argmax up to and including
     position ``num_accepted`` (the correction or the bonus), then padding."""
+    return _verify_argmax(drafts, is_draft, target_logits.argmax(dim=-1), positions)
+
+
+def _verify_argmax(
+    drafts: torch.Tensor,  # [batch, k]
+    is_draft: torch.Tensor | bool,  # [batch, k] (True: every position holds a draft)
+    target_argmax: torch.Tensor,  # [batch, k + 1]
+    positions: torch.Tensor,  # [k + 1] 0..k
+) -> tuple[torch.Tensor, torch.Tensor]:
     k = drafts.shape[1]
-    target_argmax = target_logits.argmax(dim=-1)  # [batch, k + 1]
     accept = (drafts == target_argmax[:, :k]) & is_draft  # [batch, k]
     num_accepted = accept.long().cumprod(dim=1).sum(dim=1)  # [batch]
     keep = positions.unsqueeze(0) <= num_accepted.unsqueeze(1)  # [batch, k + 1]

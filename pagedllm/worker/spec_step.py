@@ -15,7 +15,12 @@ import torch
 from pagedllm.core.sched_output import LogprobsLists, ModelRunnerOutput
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.sampler import LogprobsTensors, Sampler, compute_logprobs_topk
-from pagedllm.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, greedy_verify, rejection_sample
+from pagedllm.spec_decode.rejection_sampler import (
+    PLACEHOLDER_TOKEN_ID,
+    greedy_verify,
+    greedy_verify_flat,
+    rejection_sample,
+)
 from pagedllm.worker.input_batch import InputBatch
 
 if TYPE_CHECKING:
@@ -44,12 +49,13 @@ def sample_spec(
         and batch.num_complex_rows == 0  # no masks, biases or penalties: greedy rows take the raw argmax
         and bool(batch.greedy_np[s_rows].all())
         and not bool((batch.num_logprobs_np[s_rows] >= 0).any())
-        and bool((num_draft == k).all())
     ):
-        # The common case in a few launches: k drafts a request, all greedy, nothing to edit or report.
-        logits = step.logits.view(num_sampled, k + 1, -1)  # [num_sampled, k + 1, vocab_size]
+        # The common case in a few launches: all greedy, nothing to edit or report.
         drafts = torch.from_numpy(step.spec_draft_ids).to(dev, non_blocking=True)  # [num_sampled, k]
-        output, num_accepted = greedy_verify(drafts, logits)
+        if bool((num_draft == k).all()):  # k drafts a request: the logit rows are [num_sampled, k + 1]
+            output, num_accepted = greedy_verify(drafts, step.logits.view(num_sampled, k + 1, -1))
+        else:  # (n-gram drafts 0..k a request)
+            output, num_accepted = greedy_verify_flat(drafts, num_draft, step.logits)
         step.logits = None
         step.sample_gen = batch.row_gen[s_rows].copy()
         step.sample_num_logprobs = batch.num_logprobs_np[s_rows].copy()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pagedllm.spec_decode import rejection_sample
-from pagedllm.spec_decode.rejection_sampler import greedy_verify
+from pagedllm.spec_decode.rejection_sampler import greedy_verify, greedy_verify_flat
 
 NEG_INF = float("-inf")
 
@@ -95,6 +95,15 @@ def test_all_greedy_short_path_equals_the_general_rule() -> None:
     want = rejection_sample(drafts, full, None, logits.bfloat16().float(), torch.zeros(batch))
     assert torch.equal(fast[0], want[0]) and torch.equal(fast[1], want[1])
     assert 0 < int(fast[1].sum()) < batch * k  # some drafts accepted, some rejected
+    # Rows with 0..k drafts, their logit rows end to end as a verification step lays them out (n-gram):
+    # greedy_verify_flat equals the general rule.
+    counts = num_draft.numpy()
+    flat = torch.cat([logits[i, : int(counts[i]) + 1] for i in range(batch)]).bfloat16()
+    junk = torch.where(torch.arange(k)[None, :] < num_draft[:, None], drafts, 7)  # past a row's drafts: unread
+    fast = greedy_verify_flat(junk, counts, flat)
+    want = rejection_sample(drafts, num_draft, None, logits.bfloat16().float(), torch.zeros(batch))
+    assert torch.equal(fast[0], want[0]) and torch.equal(fast[1], want[1])
+    assert (counts == 0).any() and 0 < int(fast[1].sum()) < int(counts.sum())
 
 
 def test_k_zero() -> None:
