@@ -56,14 +56,14 @@ class MedusaProposer:
             )
         tensors = {} if mc.load_format == "dummy" else dict(iter_safetensors(spec.model))
         copy = head_config.original_lm_head and (mc.load_format == "dummy" or "lm_head.weight" in tensors)
-        if head_config.original_lm_head and not copy:
-            # (Under TP the target's LM head is a vocabulary shard, under PP the last stage's.)
-            what = "tensor_parallel_size" if getattr(runner, "tp_size", 1) > 1 else "pipeline_parallel_size"
-            if getattr(runner, "tp_size", 1) > 1 or getattr(runner, "pp", None) is not None:
-                raise ValueError(
-                    "speculative_config.model: Medusa heads that share the target's LM head need a copy of it "
-                    f"(lm_head.weight) under {what} > 1"
-                )
+        tp = getattr(runner, "tp_size", 1)
+        # (Under TP the target's LM head is a vocabulary shard, under PP the last stage's.)
+        if head_config.original_lm_head and not copy and (tp > 1 or getattr(runner, "pp", None) is not None):
+            what = "tensor_parallel_size" if tp > 1 else "pipeline_parallel_size"
+            raise ValueError(
+                "speculative_config.model: Medusa heads that share the target's LM head need a copy of it "
+                f"(lm_head.weight) under {what} > 1"
+            )
         with _default_dtype(mc.dtype), torch.device(self.device):
             heads = MedusaHeads(head_config, with_lm_head_copy=copy)
         if mc.load_format == "dummy":
