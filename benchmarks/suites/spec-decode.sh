@@ -4,7 +4,8 @@
 #   demo     `pagedllm bench latency` on the bundled demo target (real code prompts: 128-token windows of the
 #            stdlib's held-out files, 128 out, greedy) at batch 1, 8 and 32: no speculation, n-gram, the small demo
 #            model as draft, the demo EAGLE head, the demo Medusa heads; each speculative method synchronously and
-#            with --async-scheduling (MODES); prints each run's mean acceptance length and which CUDA graphs
+#            with --async-scheduling (MODES: sync, async, and async-wait, async with PAGEDLLM_SPEC_AHEAD=0: every
+#            verification waits for the step in flight instead of launching ahead of the host); prints each run's mean acceptance length and which CUDA graphs
 #            the target and the head replay; PROFILE=1 adds one profiled iteration a run (--profile-steps: host ms
 #            per engine phase, the proposer's included, and the GPU's busy fraction)
 #   latency  the Llama-3.1-8B shape (dummy weights) at batch 1 and 16, 128 in / 128 out: no speculation and a
@@ -14,7 +15,7 @@
 #            (a head of the 8B shape), medians of GPU time; prints their ratios and the speedup they imply at mean
 #            acceptance lengths 3.0 and 3.6 (MAL * t_plain / (t_verify + t_propose)), and which CUDA graphs ran;
 #            --max-num-seqs 16: graphs captured up to batch 16 only (a shorter start-up: each run starts two engines)
-#   [ITERS=N] [PROFILE=1] [BATCHES="1 8 32"] [METHODS="plain ngram draft eagle medusa"] [MODES="sync async"] [LLAMA_BATCHES="1 16"] \
+#   [ITERS=N] [PROFILE=1] [BATCHES="1 8 32"] [METHODS="plain ngram draft eagle medusa"] [MODES="sync async async-wait"] [LLAMA_BATCHES="1 16"] \
 #     [COST_BATCHES="1 8"] \
 #     bash benchmarks/gpu.sh spec-decode [tests] [demo] [latency] [cost]      (no argument: all)
 set -uo pipefail
@@ -52,9 +53,11 @@ if want demo; then
       esac
       for mode in ${MODES:-sync async}; do
         # plain decoding is asynchronous on CUDA by default: one row; speculation is synchronous unless asked
-        [ "$name" = plain ] && [ "$mode" = async ] && continue
-        extra=(); [ "$mode" = async ] && extra=(--async-scheduling)
-        bench "demo_b${bs}_${name}_$mode" "${common[@]}" --batch-size "$bs" --max-num-seqs "$bs" "${spec[@]}" "${extra[@]}"
+        [ "$name" = plain ] && [ "$mode" != sync ] && continue
+        extra=(); [ "$mode" != sync ] && extra=(--async-scheduling)
+        # async-wait: every verification launch waits for the step in flight (no launch ahead of the host)
+        PAGEDLLM_SPEC_AHEAD=$([ "$mode" = async-wait ] && echo 0 || echo 1) \
+          bench "demo_b${bs}_${name}_$mode" "${common[@]}" --batch-size "$bs" --max-num-seqs "$bs" "${spec[@]}" "${extra[@]}"
       done
     done
   done

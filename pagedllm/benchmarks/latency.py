@@ -150,7 +150,11 @@ def main(args: argparse.Namespace) -> int:
     spec = None
     async_scheduling = None if llm is None else llm.llm_engine.engine_core.config.scheduler_config.async_scheduling
     if llm is not None:
-        print(f"Scheduling: {'async' if async_scheduling else 'synchronous'}")  # what the engine ran (A/B runs)
+        core = llm.llm_engine.engine_core
+        ahead = ""
+        if async_scheduling and getattr(core, "num_spec_launches", 0):
+            ahead = f"; {core.num_spec_launches_ahead} of {core.num_spec_launches} verification launches ahead of the host"
+        print(f"Scheduling: {'async' if async_scheduling else 'synchronous'}{ahead}")  # what the engine ran (A/B runs)
         from pagedllm.metrics import spec_decode_summary
 
         spec = spec_decode_summary(llm.llm_engine.get_stats(), stats_before)

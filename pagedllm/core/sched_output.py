@@ -151,6 +151,9 @@ class SchedulerOutput:
     # before the previous step's accepted drafts are known. The engine core fills ``scheduled_spec_decode_tokens``
     # with at most that many drafts just before the launch, and shrinks ``num_scheduled_tokens`` to match.
     spec_reserved: dict[str, int] = field(default_factory=dict)
+    # Async speculation launched ahead of the host (worker/spec_step.py SpecAhead): the previous step's tokens and
+    # drafts on the device, which the launch reads there (None otherwise; the engine core sets it, in-process only).
+    spec_ahead: Any = None
     # The KV connector's KVConnectorMetadata for this step (None without a connector).
     kv_connector_metadata: Any = None
     # Images (multimodal models): req_id -> indices into its mm_features to encode this step, before the forward;

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from pagedllm.config import EngineConfig
@@ -25,6 +27,7 @@ from pagedllm.spec_decode.proposer import DraftView, num_drafts_allowed
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.worker.cpu_threads import CpuThreadGovernor, apply_user_thread_setting
 from pagedllm.worker.model_runner import ModelRunner, StepInFlight
+from pagedllm.worker.spec_step import SpecAhead
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +147,11 @@ class EngineCore:
         )
         self._lora_paths: dict[int, str] = {}  # lora_int_id -> path, for good: ids key prefix-cache hashes
         self.async_scheduling = config.scheduler_config.async_scheduling
+        # Async speculation launches a verification step without waiting for the step in flight where it can
+        # (_plan_ahead); PAGEDLLM_SPEC_AHEAD=0 makes every launch wait (A/B runs).
+        self.spec_ahead = os.environ.get("PAGEDLLM_SPEC_AHEAD", "1") != "0"
+        self.num_spec_launches = 0  # verification launches under async scheduling ...
+        self.num_spec_launches_ahead = 0  # ... of which did not wait for the step in flight
         if self.proposer is not None:
             self.proposer.init_kv_cache(num_blocks, self.kv_cache_manager)
         self.vocab_size = config.model_config.vocab_size
@@ -421,7 +429,10 @@ class EngineCore:
         if prev is None:
             outputs = EngineCoreOutputs(stats=self.get_stats(), timestamp=time.monotonic())
         else:
-            outputs = self.scheduler.update_from_output(prev[0], self.runner.collect(prev[1]))
+            result = self.runner.collect(prev[1])
+            if launched is not None and launched[0].spec_ahead is not None:
+                self._settle_ahead(launched[0], result)
+            outputs = self.scheduler.update_from_output(prev[0], result)
         if sample_later:
             # The matchers now know the previous step's tokens: fill this step's bitmask in the background while
             # the outputs go out and the next step is scheduled; the next step() samples before it launches.
@@ -446,6 +457,17 @@ class EngineCore:
         if self._in_flight is None:
             return
         prev_sched, prev_step = self._in_flight
+        if sched.spec_reserved or sched.scheduled_spec_decode_tokens:
+            self.num_spec_launches += 1
+        ahead = self._plan_ahead(sched, prev_sched, prev_step)
+        if ahead is not None:
+            sched.spec_ahead = ahead
+            spec = sched.scheduled_spec_decode_tokens
+            for req_id, num_draft in zip(ahead.req_ids, ahead.num_draft.tolist()):
+                spec[req_id] = [0] * num_draft  # (their ids are on the device; the scheduler counts them)
+            prev_step.device_drafts = None  # taken
+            self.num_spec_launches_ahead += 1
+            return
         if (
             not (sched.spec_reserved or prev_sched.spec_reserved or self.proposer.reads_every_step)
             and isinstance(self.runner, ModelRunner)  # (tensor-parallel workers get the tokens with the launch)
@@ -497,6 +519,67 @@ class EngineCore:
                 spec[req_id] = drafts
             num_sched[req_id] = 1 + len(drafts)
             sched.total_num_scheduled_tokens -= num_slots - len(drafts)
+
+    def _plan_ahead(
+        self, sched: SchedulerOutput, prev_sched: SchedulerOutput, prev_step: StepInFlight
+    ) -> SpecAhead | None:
+        """A launch of ``sched`` that need not wait for the step in flight (worker/spec_step.py ``SpecAhead``): when
+        that step's proposer queued drafts on the device for every request it verified (EAGLE, EAGLE-3, MTP and
+        Medusa do, after a verification step on the target's graph), ``sched`` holds only those requests, each a
+        decode with reserved draft slots, all of which it fills, and ``sched`` runs on the verification graph.
+        The scheduler counted the step in flight's drafts as accepted; the device takes back the rejected ones.
+        A request that finishes with the step in flight gets one step computed for nothing (dropped, as under
+        async scheduling without speculation). None otherwise: the launch waits, as ``_propose_ahead`` says."""
+        queued = prev_step.device_drafts
+        runner = self.runner
+        if queued is None or not self.spec_ahead or type(runner) is not ModelRunner:
+            return None
+        graphs = runner.graph_runner
+        reserved, num_sched = sched.spec_reserved, sched.num_scheduled_tokens
+        if (
+            graphs is None
+            or not reserved
+            or sched.scheduled_new_reqs
+            or len(reserved) != len(num_sched)
+            or self.scheduler.num_grammar_reqs  # (masks per draft position are walked through the drafts)
+            or runner.longrope is not None  # (positions are rotary rows there)
+            or runner.encoder_runner is not None
+            or runner.kv_connector is not None
+            or runner.kv_layout.num_groups != 1
+            or prev_step.sampled is None
+            or prev_step.spec_accepted_dev is None
+        ):
+            return None
+        drafts = queued[2]  # [m, k] on the device, a row per request of prev_step (all of them sampled)
+        index = {req_id: j for j, req_id in enumerate(prev_step.sample_req_ids)}
+        max_len = self.config.model_config.max_model_len
+        prev_reserved, prev_spec = prev_sched.spec_reserved, prev_sched.scheduled_spec_decode_tokens
+        n = len(num_sched)
+        prev_index, counted, num_draft = (np.empty(n, dtype=np.int64) for _ in range(3))
+        for i, (req_id, num) in enumerate(num_sched.items()):
+            j, slots = index.get(req_id), reserved.get(req_id)
+            # (positions are the scheduler's upper bound until the device moves them back: below max_model_len)
+            if j is None or not slots or num != 1 + slots or sched.num_computed_tokens[req_id] + num > max_len:
+                return None
+            prev_index[i], num_draft[i] = j, slots
+            c = prev_reserved.get(req_id)
+            counted[i] = c if c is not None else len(prev_spec.get(req_id, ()))
+        if int(num_draft.max()) > drafts.shape[1] or not graphs.can_run(
+            n, sched.total_num_scheduled_tokens, int(num_draft.max()) + 1
+        ):
+            return None
+        return SpecAhead(
+            prev_step.sampled, prev_step.spec_accepted_dev, drafts, list(num_sched), prev_index, counted, num_draft
+        )
+
+    def _settle_ahead(self, sched: SchedulerOutput, result: Any) -> None:
+        """``sched`` was launched ahead of the host (``_plan_ahead``); now that the step before it is read, its
+        ``num_computed_tokens`` drop the drafts that step rejected, as the device's positions did."""
+        ahead, sched.spec_ahead = sched.spec_ahead, None
+        sampled, num_computed = result.sampled_token_ids, sched.num_computed_tokens
+        for req_id, counted in zip(ahead.req_ids, ahead.counted.tolist()):
+            emitted = sampled.get(req_id)
+            num_computed[req_id] -= counted - (len(emitted) - 1 if emitted else 0)
 
     def _finish_outputs(self, outputs: EngineCoreOutputs) -> EngineCoreOutputs:
         if self.scheduler.early_outputs:

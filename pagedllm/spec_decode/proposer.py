@@ -124,13 +124,13 @@ class DeviceDrafts:
             host = self.host[: drafts.shape[0]]
             host.copy_(drafts, non_blocking=True)
             self.ready.record()
-        step.device_drafts = (host, capacity)
+        step.device_drafts = (host, capacity, drafts)  # (the device tensor: a launch ahead reads it there)
 
     def take(self, requests: Sequence[Request | DraftView], step: Any, max_model_len: int) -> None:
         """Set ``spec_token_ids`` of each request of ``requests`` that was in ``step`` and can speculate: its
         drafts cut as the host path cuts them, to ``num_drafts_allowed`` and (drafts 2.. run the head at positions
         num_tokens - 1 ..) its capacity."""
-        host, capacity = step.device_drafts
+        host, capacity, _ = step.device_drafts
         step.device_drafts = None
         if self.cuda:
             self.ready.synchronize()

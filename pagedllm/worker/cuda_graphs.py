@@ -234,6 +234,7 @@ class CudaGraphRunner:
         block_table: np.ndarray,  # [groups, n, nb] int32
         input_patch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
         query_start_loc: np.ndarray | None = None,  # [n + 1] token offsets (None: one token a request)
+        fix: Any = None,  # a DeviceFix (worker/spec_step.py): the inputs the device corrects before the replay
     ) -> Any:
         """The step's hidden states, ``[num_tokens, hidden_size]`` (a tuple of such rows when the model returns
         more than its final hidden states: an EAGLE-3 draft's auxiliary hidden states): views of the graph's
@@ -272,6 +273,12 @@ class CudaGraphRunner:
         if input_patch is not None:
             dst, src, values = input_patch
             self.input_ids[dst] = values[src]
+        if fix is not None:
+            nt = num_tokens
+            fix.apply(
+                self.input_ids[:nt], self.positions[:nt], self.slot_mapping[0, :nt], self.seq_lens[:n],
+                self.block_table[:n, 0],
+            )
         self.graphs[(bs, q)].replay()
         self.num_replays[(bs, q)] = self.num_replays.get((bs, q), 0) + 1
         return slice_rows(self.outputs[(bs, q)], num_tokens)

@@ -63,6 +63,8 @@ class StepInFlight:
     spec_num_draft: np.ndarray | None = None  # [num_sampled] drafts verified per sampled request (0..k)
     spec_draft_ids: np.ndarray | None = None  # [num_sampled, k] the drafts, padded with 0
     spec_num_accepted: torch.Tensor | None = None  # [num_sampled] int64 accepted drafts (on the host on CUDA)
+    spec_accepted_dev: torch.Tensor | None = None  # [num_sampled] the same on the device
+    spec_draft_dev: torch.Tensor | None = None  # [num_sampled, k] drafts that exist only on the device (SpecAhead)
     output: ModelRunnerOutput | None = None  # set by collect
     kv_connector_output: Any = None  # the KV connector's report for this step (KVConnectorOutput)
     query_start: np.ndarray | None = None  # [num_reqs + 1] offsets of each request's tokens in the step
@@ -620,7 +622,10 @@ class ModelRunner:
         # Speculative decoding: a request's drafts follow its last token, in the batch past its known tokens.
         num_draft = np.zeros(n, dtype=np.int64)  # [num_reqs]
         spec = sched.scheduled_spec_decode_tokens
-        if spec:
+        ahead = sched.spec_ahead  # a launch ahead of the host: the tokens and drafts are on the device
+        if ahead is not None:
+            num_draft[:] = ahead.num_draft  # (the positions past a row's known tokens are the device's to fill)
+        elif spec:
             for i, req_id in enumerate(req_ids):
                 drafts = spec.get(req_id)
                 if drafts:
@@ -661,13 +666,15 @@ class ModelRunner:
             and self.graph_runner is not None
             and self.graph_runner.can_run(n, num_tokens, max_query_len)
         ):
+            fix = None if ahead is None else ahead.device_fix(cu, self.block_size, dev)
             hidden = self.graph_runner.run(
-                input_ids, positions, slot_mapping, seq_lens, block_table, input_patch, cu
+                input_ids, positions, slot_mapping, seq_lens, block_table, input_patch, cu, fix
             )
             if num_tokens > n:  # the multi-token graph (graph_runner.run): its static inputs hold this step's
                 step.verify_graph_bs = self.graph_runner.padded_size(n, self.graph_runner.q)
                 step.verify_table_width = max_blocks
         else:
+            assert ahead is None, "a launch ahead runs the verification graph (EngineCore._plan_ahead)"
             size = None if self.piecewise is None or eager_mm else self.piecewise.padded_size(num_tokens)
             qsl_cpu = torch.from_numpy(cu.astype(np.int32))
             seq_lens_cpu = torch.from_numpy(seq_lens)
@@ -721,7 +728,10 @@ class ModelRunner:
         if hidden is not None:  # None: a pipeline stage before the last computes no logits
             self._prompt_logprobs(req_ids, rows, num_computed, num_sched, cu, hidden, step.prompt_logprobs)
         # Which requests reach the end of their known tokens (and so produce one).
-        sample_idx = np.nonzero((num_computed + num_sched - num_draft) == batch.num_tokens_np[rows])[0]
+        if ahead is not None:  # every request verifies (the host has not counted the previous step's tokens yet)
+            sample_idx = np.arange(n)
+        else:
+            sample_idx = np.nonzero((num_computed + num_sched - num_draft) == batch.num_tokens_np[rows])[0]
         if len(sample_idx) == 0:  # [num_sampled]
             return step
         if spec:
@@ -735,7 +745,9 @@ class ModelRunner:
             step.spec_num_draft = num_draft[sample_idx]
             k = int(step.spec_num_draft.max())
             step.spec_draft_ids = np.zeros((len(sample_idx), k), dtype=np.int64)  # [num_sampled, k]
-            for j, i in enumerate(sample_idx.tolist()):
+            if ahead is not None:
+                step.spec_draft_dev = fix.drafts  # (the host's stay zeros: no grammar reads them here)
+            for j, i in ([] if ahead is not None else enumerate(sample_idx.tolist())):
                 d = int(num_draft[i])
                 if d:
                     step.spec_draft_ids[j, :d] = spec[req_ids[i]]
@@ -812,7 +824,7 @@ class ModelRunner:
         ``collect`` waits for."""
         step.sampled = sampled
         step.logprobs = logprobs
-        step.spec_num_accepted = num_accepted
+        step.spec_num_accepted = step.spec_accepted_dev = num_accepted
         if self.device.type == "cuda":
             step.sampled_host = torch.empty(sampled.shape, dtype=torch.long, pin_memory=True)
             step.sampled_host.copy_(sampled, non_blocking=True)

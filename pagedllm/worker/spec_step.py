@@ -7,6 +7,7 @@ next launch: with async scheduling too, the engine core collects the step first 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -25,6 +26,79 @@ from pagedllm.worker.input_batch import InputBatch
 
 if TYPE_CHECKING:
     from pagedllm.worker.model_runner import StepInFlight
+
+
+@dataclass
+class SpecAhead:
+    """Async speculation without the host between steps: a verification step launched before the host has read
+    the step in flight, whose proposer queued the next drafts on the device right after sampling
+    (``DeviceDrafts.queue``). Every request of the new step sampled in that step and verifies ``num_draft`` of
+    those drafts. The scheduler counted each request's draft slots in the step in flight as computed
+    (``counted``); the device takes back the ones that step rejected (``DeviceFix``), and the engine core corrects
+    the host's ``num_computed_tokens`` once it has read the step. Arrays are in the new step's request order."""
+
+    prev_tokens: torch.Tensor  # [m, k + 1] the step in flight's sampled tokens (its m sampled requests)
+    prev_accepted: torch.Tensor  # [m] its accepted drafts per request
+    prev_drafts: torch.Tensor  # [m, k] the drafts its proposer queued for the next step
+    req_ids: list[str]
+    prev_index: np.ndarray  # [n] each request's row among the m
+    counted: np.ndarray  # [n] draft slots the scheduler counted as computed for it in the step in flight
+    num_draft: np.ndarray  # [n] drafts it verifies now (1..k)
+
+    def device_fix(self, query_start: np.ndarray, block_size: int, dev: torch.device) -> DeviceFix:
+        """The corrections of a step whose requests' tokens start at ``query_start`` ([n + 1])."""
+        n = len(self.req_ids)
+        counts = np.diff(query_start)  # [n] 1 + num_draft
+        req_of = np.repeat(np.arange(n), counts)  # [num_tokens]
+        offset = np.arange(int(query_start[-1])) - query_start[:-1][req_of]  # [num_tokens] 0 = the last token
+        host = np.concatenate([self.prev_index, self.counted, req_of, offset]).astype(np.int64)
+        if dev.type == "cuda":
+            host = torch.from_numpy(host).pin_memory()
+        packed = torch.as_tensor(host).to(dev, non_blocking=True)
+        j, counted, req_of_d, offset_d = packed.split([n, n, len(req_of), len(req_of)])
+        accepted = self.prev_accepted[j]  # [n]
+        width = int(self.num_draft.max())
+        return DeviceFix(
+            rejected=counted - accepted,
+            last_token=self.prev_tokens[j, accepted],
+            drafts=self.prev_drafts[j, :width],
+            req_of=req_of_d,
+            offset=offset_d,
+            block_size=block_size,
+        )
+
+
+@dataclass
+class DeviceFix:
+    """A launch-ahead step's inputs as the device corrects them: the host filled them as if the previous step had
+    accepted every draft the scheduler counted. Tensors on the device."""
+
+    rejected: torch.Tensor  # [n] drafts the previous step rejected, of those counted
+    last_token: torch.Tensor  # [n] the token it emitted last (the first this step computes)
+    drafts: torch.Tensor  # [n, width] the drafts this step verifies (past a request's own count: unused)
+    req_of: torch.Tensor  # [num_tokens] each token's request
+    offset: torch.Tensor  # [num_tokens] its place in the request's tokens (0: the last token, then the drafts)
+    block_size: int
+
+    def apply(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64
+        slot_mapping: torch.Tensor,  # [num_tokens] int64
+        seq_lens: torch.Tensor,  # [n] int32
+        block_table: torch.Tensor,  # [n, max_blocks] int32
+    ) -> None:
+        """Correct the step's inputs in place: its tokens, positions moved back over the rejected drafts, the
+        slots of those positions and the context lengths."""
+        req_of = self.req_of
+        draft_col = (self.offset - 1).clamp(min=0)
+        ids = torch.where(self.offset == 0, self.last_token[req_of], self.drafts[req_of, draft_col])
+        input_ids.copy_(ids)
+        positions.sub_(self.rejected[req_of])
+        seq_lens.sub_(self.rejected.to(seq_lens.dtype))
+        b = self.block_size
+        blocks = block_table[req_of, torch.div(positions, b, rounding_mode="floor")].long()
+        torch.add(blocks * b, positions % b, out=slot_mapping)
 
 
 def sample_spec(
@@ -51,7 +125,7 @@ def sample_spec(
         and not bool((batch.num_logprobs_np[s_rows] >= 0).any())
     ):
         # The common case in a few launches: all greedy, nothing to edit or report.
-        drafts = torch.from_numpy(step.spec_draft_ids).to(dev, non_blocking=True)  # [num_sampled, k]
+        drafts = _drafts(step, dev)  # [num_sampled, k]
         if bool((num_draft == k).all()):  # k drafts a request: the logit rows are [num_sampled, k + 1]
             output, num_accepted = greedy_verify(drafts, step.logits.view(num_sampled, k + 1, -1))
         else:  # (n-gram drafts 0..k a request)
@@ -82,7 +156,7 @@ def sample_spec(
         # [len(group), width + 1] logit rows; short rows repeat their last (ignored past num_draft + 1).
         idx = starts[group, None] + np.minimum(np.arange(width + 1)[None, :], num_draft[group, None])
         out, acc = rejection_sample(
-            torch.from_numpy(step.spec_draft_ids[group, :width]).to(dev, non_blocking=True),
+            _drafts(step, dev)[torch.from_numpy(group).to(dev, non_blocking=True), :width],
             torch.from_numpy(num_draft[group]),  # on the host: seeded rows read it there
             None,  # every proposer here drafts deterministically: q is one-hot
             processed[torch.from_numpy(idx).to(dev, non_blocking=True)],
@@ -107,6 +181,13 @@ def sample_spec(
     step.sample_gen = batch.row_gen[s_rows].copy()
     step.sample_num_logprobs = batch.num_logprobs_np[s_rows].copy()
     return output, num_accepted, logprobs
+
+
+def _drafts(step: StepInFlight, dev: torch.device) -> torch.Tensor:
+    """``[num_sampled, k]`` the step's drafts on the device (where they already are, after a launch ahead)."""
+    if step.spec_draft_dev is not None:
+        return step.spec_draft_dev
+    return torch.from_numpy(step.spec_draft_ids).to(dev, non_blocking=True)
 
 
 def collect_spec(step: StepInFlight, out: ModelRunnerOutput, batch: InputBatch) -> None:

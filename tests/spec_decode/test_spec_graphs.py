@@ -296,6 +296,9 @@ def test_head_drafts_on_the_device_after_verification(deep_llama, tmp_path, head
     want = run(host)
     graphed = _llm(target, spec, async_scheduling=async_scheduling)
     install_stand_in_graphs(graphed, piecewise=False)
+    # (async: every launch waits for the step in flight, as the host's proposals do; test_async_launches_ahead
+    # takes the other way, whose drafts are not cut at max_tokens or the blocks' end)
+    graphed.llm_engine.engine_core.spec_ahead = False
     got = run(graphed)
     assert got == want == plain
     assert len(got[-1]) == 128 - 100  # stopped by max_model_len
@@ -304,6 +307,65 @@ def test_head_drafts_on_the_device_after_verification(deep_llama, tmp_path, head
     assert graphed.llm_engine.engine_core.proposer.num_device_proposals > 0
     assert host.llm_engine.engine_core.proposer.num_device_proposals == 0
     graphed.llm_engine.engine_core.check_integrity()
+
+
+@pytest.mark.parametrize("head", ["demo-eagle", "eagle3", "demo-medusa"])
+def test_async_launches_ahead(deep_llama, tmp_path, head):
+    """Async speculation whose drafts stay on the device: a verification step is launched before the host has
+    read the step in flight (EngineCore._plan_ahead); the device feeds it that step's last token and the queued
+    drafts, and moves its positions, slots and context lengths back over the drafts that step rejected. Greedy
+    output equals plain decoding through uneven max_tokens, a stop token, max_model_len, a request arriving
+    mid-run (that step waits), preemptions in a small pool and prefix hits; no block leaks. The demo heads
+    accept drafts (every accepted count); a random EAGLE-3 head accepts none (every draft moved back)."""
+    if head.startswith("demo-"):
+        method = head[len("demo-") :]
+        target, spec = DEMO, {"method": method, "model": f"{DEMO}/{method}", "num_speculative_tokens": 3}
+        code = get_tokenizer(DEMO).encode(CODE, add_special_tokens=False)
+        prompts = [code[:9], code[5:30], code[12:], code[3:20], (code * 5)[:100]]
+    else:
+        target = deep_llama
+        spec = {"method": "eagle3", "model": make_eagle_head(deep_llama, tmp_path / head, head), "num_speculative_tokens": 3}
+        prompts = PROMPTS + [list(range(60, 160))]
+    prefix = prompts[1][:12]  # three requests share a 12-token prefix (three blocks)
+    prompts = prompts + [prefix + p[:5] for p in prompts[:2]]
+    params = [SamplingParams(temperature=0.0, max_tokens=24 - 3 * i, ignore_eos=True) for i in range(len(prompts))]
+    params[4] = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)  # 100 tokens in: max_model_len
+
+    def run(llm: LLM, stop: int | None = None) -> list[list[int]]:
+        ps = list(params)
+        if stop is not None:
+            ps[0] = SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[stop])
+        engine = llm.llm_engine
+        for i, (p, sp) in enumerate(zip(prompts[:-1], ps)):
+            engine.add_request(str(i), {"prompt_token_ids": p}, sp)
+        outs, late = {}, None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    outs[out.request_id] = out.outputs[0].token_ids
+            if late is None and outs:  # the last request arrives while the others decode
+                late = str(len(prompts) - 1)
+                engine.add_request(late, {"prompt_token_ids": prompts[-1]}, ps[-1])
+        return [outs[str(i)] for i in range(len(prompts))]
+
+    plain = run(_llm(target, None))
+    stop = plain[0][6]
+    plain_stop = run(_llm(target, None), stop)
+    assert plain_stop[0] != plain[0]  # the stop token ends request 0 early
+    for kw in ({}, {"num_gpu_blocks_override": 36}):
+        llm = _llm(target, spec, async_scheduling=True, **kw)
+        install_stand_in_graphs(llm, piecewise=False)
+        core = llm.llm_engine.engine_core
+        assert run(llm) == plain
+        assert run(llm, stop) == plain_stop
+        assert len(plain[4]) == 128 - 100  # stopped by max_model_len
+        assert 0 < core.num_spec_launches_ahead < core.num_spec_launches
+        s = llm.llm_engine.get_stats()
+        assert s.prefix_cache_hits > 0
+        if kw:
+            assert s.num_preemptions > 0, "the small pool was meant to preempt"
+        assert core.kv_cache_manager.num_free_blocks == core.kv_cache_manager.pool.num_blocks
+        core.check_integrity()
 
 
 def test_eagle_batch_above_the_step_graphs_runs_eagerly(deep_llama, tmp_path):

@@ -152,6 +152,7 @@ def test_demo_drafts_queued_on_the_device_equal_the_host_path(method, async_sche
     for on_device in (False, True):
         llm = LLM(str(DEMO_MODEL_DIR), speculative_config=spec, async_scheduling=async_scheduling, **KW)
         core = llm.llm_engine.engine_core
+        core.spec_ahead = False  # (a launch ahead does not cut drafts at max_tokens: other counts)
         if not on_device:
             core.runner.after_spec_sample = None
         assert _generate(llm, prompts, penalty=False) == plain
@@ -160,6 +161,25 @@ def test_demo_drafts_queued_on_the_device_equal_the_host_path(method, async_sche
         assert (core.proposer.num_device_proposals > 0) == on_device
         core.check_integrity()
     assert runs[True] == runs[False] and runs[True][1] > 0
+
+
+@pytest.mark.parametrize("method", ["eagle", "medusa"])
+def test_demo_async_launches_ahead_on_graphs(method):
+    """Async speculation launched ahead of the host on real graphs: the verification graph's static inputs are
+    filled as if every draft in flight were accepted, and the device moves them back over the rejected ones and
+    feeds the queued drafts. Plain decoding's tokens for four requests of uneven lengths and for one alone, most
+    launches ahead, no block leaks."""
+    spec = {"method": method, "model": str(DEMO_MODEL_DIR / method), "num_speculative_tokens": 3}
+    prompts = [list(range(100 + 7 * i, 140 + 7 * i)) for i in range(4)]
+    plain = _generate(LLM(str(DEMO_MODEL_DIR), **KW), prompts, penalty=False)
+    llm = LLM(str(DEMO_MODEL_DIR), speculative_config=spec, async_scheduling=True, **KW)
+    core = llm.llm_engine.engine_core
+    assert _generate(llm, prompts, penalty=False) == plain
+    assert _generate(llm, prompts[:1], penalty=False) == plain[:1]
+    assert core.num_spec_launches_ahead > core.num_spec_launches / 2
+    assert llm.llm_engine.get_stats().spec_num_accepted_tokens > 0
+    core.check_integrity()
+    assert core.kv_cache_manager.num_free_blocks == core.kv_cache_manager.pool.num_blocks
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
