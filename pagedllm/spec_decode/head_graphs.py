@@ -193,6 +193,11 @@ class DraftStepGraphs:
         pin = self.cuda
         self.host_i64 = torch.zeros(2 * b, dtype=torch.long, pin_memory=pin)
         self.host_table = torch.zeros(b, mb, dtype=torch.int32, pin_memory=pin)
+        # run_on_device's pinned twins of limit, used in turn: its proposals are not read back before the next
+        # one (a verification launched ahead of the host reads them on the device), so the copies of the two
+        # before may still be queued; the one three before is done (the host has read a later step's tokens).
+        self.host_limits = [torch.zeros(b, dtype=torch.long, pin_memory=pin) for _ in range(3)]
+        self._limit_turn = 0
         self.graphs: dict[int, Any] = {}
         self.num_replays: dict[int, int] = {}
 
@@ -303,11 +308,13 @@ class DraftStepGraphs:
         be used."""
         n, steps = out.shape
         bs = self.padded_size(n)
-        b, nb = self.max_bs, min(block_table.shape[1], self.max_blocks)
-        h64 = self.host_i64.numpy()
-        h64[b : b + n] = np.minimum(limit, self.max_model_len)
-        h64[b + n : b + bs] = 0
-        self.limit.copy_(self.host_i64[b:], non_blocking=True)
+        nb = min(block_table.shape[1], self.max_blocks)
+        host = self.host_limits[self._limit_turn]
+        self._limit_turn = (self._limit_turn + 1) % len(self.host_limits)
+        h64 = host.numpy()
+        h64[:n] = np.minimum(limit, self.max_model_len)
+        h64[n:bs] = 0
+        self.limit.copy_(host, non_blocking=True)
         self.last_pos[:n].copy_(last_pos)
         self.block_table[:n, :nb].copy_(block_table[:n, :nb])
         self._replay(bs, n, steps, tokens, hidden, out)

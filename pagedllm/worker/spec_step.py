@@ -48,36 +48,34 @@ class SpecAhead:
     def device_fix(self, query_start: np.ndarray, block_size: int, dev: torch.device) -> DeviceFix:
         """The corrections of a step whose requests' tokens start at ``query_start`` ([n + 1])."""
         n = len(self.req_ids)
-        counts = np.diff(query_start)  # [n] 1 + num_draft
-        req_of = np.repeat(np.arange(n), counts)  # [num_tokens]
-        offset = np.arange(int(query_start[-1])) - query_start[:-1][req_of]  # [num_tokens] 0 = the last token
-        host = np.concatenate([self.prev_index, self.counted, req_of, offset]).astype(np.int64)
-        if dev.type == "cuda":
-            host = torch.from_numpy(host).pin_memory()
-        packed = torch.as_tensor(host).to(dev, non_blocking=True)
-        j, counted, req_of_d, offset_d = packed.split([n, n, len(req_of), len(req_of)])
-        accepted = self.prev_accepted[j]  # [n]
+        meta = np.concatenate([self.prev_index, self.counted, query_start]).astype(np.int64)  # [3n + 1]
         width = int(self.num_draft.max())
         return DeviceFix(
-            rejected=counted - accepted,
-            last_token=self.prev_tokens[j, accepted],
-            drafts=self.prev_drafts[j, :width],
-            req_of=req_of_d,
-            offset=offset_d,
+            meta=torch.from_numpy(meta).to(dev, non_blocking=True),
+            n=n,
+            max_count=width + 1,
+            prev_tokens=self.prev_tokens,
+            prev_accepted=self.prev_accepted,
+            prev_drafts=self.prev_drafts,
+            drafts=torch.empty(n, width, dtype=torch.long, device=dev),
             block_size=block_size,
         )
 
 
 @dataclass
 class DeviceFix:
-    """A launch-ahead step's inputs as the device corrects them: the host filled them as if the previous step had
-    accepted every draft the scheduler counted. Tensors on the device."""
+    """A launch-ahead step's input corrections (kernels/spec_ahead.py says what they are): the host filled the
+    inputs as if the step in flight had accepted every draft the scheduler counted. ``apply`` also fills
+    ``drafts``, the ones this step verifies."""
 
-    rejected: torch.Tensor  # [n] drafts the previous step rejected, of those counted
-    last_token: torch.Tensor  # [n] the token it emitted last (the first this step computes)
-    drafts: torch.Tensor  # [n, width] the drafts this step verifies (past a request's own count: unused)
-    req_of: torch.Tensor  # [num_tokens] each token's request
-    offset: torch.Tensor  # [num_tokens] its place in the request's tokens (0: the last token, then the drafts)
+    meta: torch.Tensor  # [3n + 1] int64 on the device: each request's row in the step in flight, counted slots,
+    # and the step's query_start
+    n: int
+    max_count: int  # the most tokens a request computes in the step
+    prev_tokens: torch.Tensor  # [m, k + 1] the step in flight's emitted tokens
+    prev_accepted: torch.Tensor  # [m] its accepted drafts
+    prev_drafts: torch.Tensor  # [m, kd] the drafts queued after it
+    drafts: torch.Tensor  # [n, width] filled by apply: each request's drafts, zeros past its own
     block_size: int
 
     def apply(
@@ -88,17 +86,45 @@ class DeviceFix:
         seq_lens: torch.Tensor,  # [n] int32
         block_table: torch.Tensor,  # [n, max_blocks] int32
     ) -> None:
-        """Correct the step's inputs in place: its tokens, positions moved back over the rejected drafts, the
-        slots of those positions and the context lengths."""
-        req_of = self.req_of
-        draft_col = (self.offset - 1).clamp(min=0)
-        ids = torch.where(self.offset == 0, self.last_token[req_of], self.drafts[req_of, draft_col])
-        input_ids.copy_(ids)
-        positions.sub_(self.rejected[req_of])
-        seq_lens.sub_(self.rejected.to(seq_lens.dtype))
+        """Correct the step's inputs in place (one kernel on CUDA; the PyTorch twin elsewhere)."""
+        args = (input_ids, positions, slot_mapping, seq_lens, block_table)
+        if not input_ids.is_cuda:
+            self.apply_reference(*args)
+            return
+        from pagedllm.kernels.spec_ahead import spec_ahead_fix
+
+        spec_ahead_fix(
+            self.meta, self.n, self.max_count, self.prev_tokens, self.prev_accepted, self.prev_drafts, *args,
+            self.drafts, self.block_size,
+        )
+
+    def apply_reference(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_table: torch.Tensor,
+    ) -> None:
+        """``apply`` in PyTorch operations (reads the step's layout back from the device: for CPUs and tests)."""
+        n = self.n
+        j, counted, query_start = self.meta[:n], self.meta[n : 2 * n], self.meta[2 * n :]
+        counts = query_start[1:] - query_start[:-1]  # [n]
+        req_of = torch.repeat_interleave(torch.arange(n, device=counts.device), counts)  # [num_tokens]
+        offset = torch.arange(len(req_of), device=counts.device) - query_start[:-1][req_of]  # 0: the last token
+        accepted = self.prev_accepted[j]
+        rejected = counted - accepted  # [n]
+        drafts = self.prev_drafts[j]  # [n, kd]
+        col = (offset - 1).clamp(min=0)
+        input_ids.copy_(torch.where(offset == 0, self.prev_tokens[j, accepted][req_of], drafts[req_of, col]))
+        positions.sub_(rejected[req_of])
+        seq_lens.sub_(rejected.to(seq_lens.dtype))
         b = self.block_size
         blocks = block_table[req_of, torch.div(positions, b, rounding_mode="floor")].long()
         torch.add(blocks * b, positions % b, out=slot_mapping)
+        width = self.drafts.shape[1]
+        own = torch.arange(width, device=counts.device)[None, :] < (counts - 1)[:, None]  # [n, width]
+        self.drafts.copy_(torch.where(own, drafts[:, :width], 0))
 
 
 def sample_spec(
