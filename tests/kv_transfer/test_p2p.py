@@ -56,8 +56,9 @@ def assert_same(got, want) -> None:
                 assert lp.logprob == pytest.approx(want_row[tok].logprob, abs=1e-5)
 
 
-def assert_no_leaks(llm: LLM, timeout_s: float = 10.0) -> None:
-    """Integrity once the engine is idle (a producer frees its kept blocks when they are pulled or expire)."""
+def assert_no_leaks(llm: LLM, timeout_s: float = 60.0) -> None:
+    """Integrity once the engine is idle (a producer frees its kept blocks when they are pulled or expire). The
+    deadline only guards against a hang: a loaded CI machine may take seconds per step."""
     engine = llm.llm_engine
     deadline = time.monotonic() + timeout_s
     while engine.has_unfinished_requests():
