@@ -342,6 +342,33 @@ def test_pp_eagle_medusa_draft_as_in_one_process(llama3l, llama8l, tmp_path, met
         shutdown(llm)
 
 
+@pytest.mark.parametrize("method", ["eagle", "medusa"])
+def test_pp_head_speculation_with_preemption(llama3l, tmp_path, method):
+    """An EAGLE head or Medusa heads under PP=2 in a pool small enough to preempt requests whose drafts are being
+    verified (the heads read the hidden states rank 0 received; a preempted request restarts from nothing and
+    gets drafts again once it decodes): greedy output equals transformers', preemptions happened, no block leaks."""
+    from tests.spec_decode.test_eagle import PROMPTS, make_eagle_head
+    from tests.spec_decode.test_medusa import make_medusa_heads
+
+    if method == "eagle":
+        head = make_eagle_head(llama3l, tmp_path / method, method)
+    else:
+        head, _ = make_medusa_heads(llama3l, tmp_path / method)
+    spec = {"method": method, "model": head, "num_speculative_tokens": 3}
+    prompts = [list(p) for p in PROMPTS] + [list(p)[::-1] for p in PROMPTS]
+    llm = pp_llm(llama3l, speculative_config=spec, max_model_len=64, max_num_seqs=8, num_gpu_blocks_override=24)
+    try:
+        assert greedy_ids(llm, prompts, max_tokens_override=24) == hf_greedy(llama3l, prompts, 24)
+        s = llm.llm_engine.get_stats()
+        assert s.num_preemptions > 0, "the small pool was meant to preempt"
+        assert s.spec_num_draft_tokens > 0
+        core = llm.llm_engine.engine_core
+        core.check_integrity()
+        assert core.kv_cache_manager.num_free_blocks == core.kv_cache_manager.pool.num_blocks
+    finally:
+        shutdown(llm)
+
+
 CHOICES = ["alpha beta", "gamma"]
 
 
