@@ -366,6 +366,19 @@ def test_async_launches_ahead(deep_llama, tmp_path, head):
             assert s.num_preemptions > 0, "the small pool was meant to preempt"
         assert core.kv_cache_manager.num_free_blocks == core.kv_cache_manager.pool.num_blocks
         core.check_integrity()
+    if head == "demo-eagle":
+        # Logprobs take the general sampling path, its drafts read where the device left them.
+        lp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
+        requests = [{"prompt_token_ids": p} for p in prompts[:3]]
+        want = _llm(target, None).generate(requests, lp, use_tqdm=False)
+        before = core.num_spec_launches_ahead
+        got = llm.generate(requests, lp, use_tqdm=False)
+        assert core.num_spec_launches_ahead > before
+        for w, g in zip(want, got):
+            assert g.outputs[0].token_ids == w.outputs[0].token_ids
+            for wrow, grow in zip(w.outputs[0].logprobs, g.outputs[0].logprobs):
+                assert wrow.keys() == grow.keys()
+                assert all(grow[t].logprob == pytest.approx(wrow[t].logprob, abs=1e-4) for t in wrow)
 
 
 def test_eagle_batch_above_the_step_graphs_runs_eagerly(deep_llama, tmp_path):
