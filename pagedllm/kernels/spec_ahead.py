@@ -64,8 +64,6 @@ def _spec_ahead_fix_kernel(
 
 def spec_ahead_fix(
     meta: torch.Tensor,  # [3n + 1] int64
-    n: int,
-    max_count: int,  # the most tokens a request has in the step
     prev_tokens: torch.Tensor,  # [m, k + 1] int64
     prev_accepted: torch.Tensor,  # [m] int64
     prev_drafts: torch.Tensor,  # [m, kd] int64
@@ -74,13 +72,14 @@ def spec_ahead_fix(
     slot_mapping: torch.Tensor,  # [num_tokens] int64
     seq_lens: torch.Tensor,  # [n] int32
     block_table: torch.Tensor,  # [n, max_blocks] int32, unit column stride
-    drafts_out: torch.Tensor,  # [n, width] int64
+    drafts_out: torch.Tensor,  # [n, width] int64 (a request computes at most width + 1 tokens)
     block_size: int,
 ) -> None:
+    n, width = drafts_out.shape
     assert block_table.stride(1) == 1
     assert drafts_out.is_contiguous() and input_ids.stride(0) == positions.stride(0) == slot_mapping.stride(0) == 1
     _spec_ahead_fix_kernel[(n,)](
         meta, n, prev_tokens, *prev_tokens.stride(), prev_accepted, prev_drafts, *prev_drafts.stride(),
         input_ids, positions, slot_mapping, seq_lens, block_table, block_table.stride(0), drafts_out,
-        drafts_out.shape[1], BLOCK_SIZE=block_size, Q_PAD=triton.next_power_of_2(max(max_count, 2)),
+        width, BLOCK_SIZE=block_size, Q_PAD=triton.next_power_of_2(max(width + 1, 2)),
     )

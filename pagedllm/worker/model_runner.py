@@ -640,6 +640,7 @@ class ModelRunner:
             positions, mrope_3d = self.encoder_runner.rope_positions(req_ids, cu, positions)
 
         dev = self.device
+        fix = None if ahead is None else ahead.device_fix(cu, self.block_size, dev)
         # Placeholders: a request's pending token is the first token it computes this step.
         pending = batch.pending_idx[rows]  # [num_reqs]
         has_pending = pending >= 0
@@ -666,7 +667,6 @@ class ModelRunner:
             and self.graph_runner is not None
             and self.graph_runner.can_run(n, num_tokens, max_query_len)
         ):
-            fix = None if ahead is None else ahead.device_fix(cu, self.block_size, dev)
             hidden = self.graph_runner.run(
                 input_ids, positions, slot_mapping, seq_lens, block_table, input_patch, cu, fix
             )
@@ -745,12 +745,13 @@ class ModelRunner:
             step.spec_num_draft = num_draft[sample_idx]
             k = int(step.spec_num_draft.max())
             step.spec_draft_ids = np.zeros((len(sample_idx), k), dtype=np.int64)  # [num_sampled, k]
-            if ahead is not None:
+            if fix is not None:
                 step.spec_draft_dev = fix.drafts  # (the host's stay zeros: no grammar reads them here)
-            for j, i in ([] if ahead is not None else enumerate(sample_idx.tolist())):
-                d = int(num_draft[i])
-                if d:
-                    step.spec_draft_ids[j, :d] = spec[req_ids[i]]
+            else:
+                for j, i in enumerate(sample_idx.tolist()):
+                    d = int(num_draft[i])
+                    if d:
+                        step.spec_draft_ids[j, :d] = spec[req_ids[i]]
         elif hidden is not None:
             last_token = torch.from_numpy(cu[1:][sample_idx] - 1).to(dev, non_blocking=True)
             step.logits = self.model.compute_logits(hidden[last_token])  # [num_sampled, vocab_size]

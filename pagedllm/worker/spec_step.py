@@ -52,8 +52,6 @@ class SpecAhead:
         width = int(self.num_draft.max())
         return DeviceFix(
             meta=torch.from_numpy(meta).to(dev, non_blocking=True),
-            n=n,
-            max_count=width + 1,
             prev_tokens=self.prev_tokens,
             prev_accepted=self.prev_accepted,
             prev_drafts=self.prev_drafts,
@@ -70,8 +68,6 @@ class DeviceFix:
 
     meta: torch.Tensor  # [3n + 1] int64 on the device: each request's row in the step in flight, counted slots,
     # and the step's query_start
-    n: int
-    max_count: int  # the most tokens a request computes in the step
     prev_tokens: torch.Tensor  # [m, k + 1] the step in flight's emitted tokens
     prev_accepted: torch.Tensor  # [m] its accepted drafts
     prev_drafts: torch.Tensor  # [m, kd] the drafts queued after it
@@ -94,7 +90,7 @@ class DeviceFix:
         from pagedllm.kernels.spec_ahead import spec_ahead_fix
 
         spec_ahead_fix(
-            self.meta, self.n, self.max_count, self.prev_tokens, self.prev_accepted, self.prev_drafts, *args,
+            self.meta, self.prev_tokens, self.prev_accepted, self.prev_drafts, *args,
             self.drafts, self.block_size,
         )
 
@@ -107,7 +103,7 @@ class DeviceFix:
         block_table: torch.Tensor,
     ) -> None:
         """``apply`` in PyTorch operations (reads the step's layout back from the device: for CPUs and tests)."""
-        n = self.n
+        n = self.drafts.shape[0]
         j, counted, query_start = self.meta[:n], self.meta[n : 2 * n], self.meta[2 * n :]
         counts = query_start[1:] - query_start[:-1]  # [n]
         req_of = torch.repeat_interleave(torch.arange(n, device=counts.device), counts)  # [num_tokens]

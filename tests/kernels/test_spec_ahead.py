@@ -91,7 +91,7 @@ def _kernel_equals_reference(device: str, seed: int) -> None:
     from pagedllm.kernels.spec_ahead import spec_ahead_fix
 
     spec_ahead_fix(
-        fix.meta, fix.n, fix.max_count, fix.prev_tokens, fix.prev_accepted, fix.prev_drafts, *inputs, fix.drafts,
+        fix.meta, fix.prev_tokens, fix.prev_accepted, fix.prev_drafts, *inputs, fix.drafts,
         fix.block_size,
     )
     for got, ref in zip(inputs, ref_inputs):
