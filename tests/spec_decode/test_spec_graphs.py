@@ -264,7 +264,7 @@ CODE = "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fi
 
 @pytest.mark.parametrize("head", ["demo-eagle", "eagle3", "demo-medusa"])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_head_drafts_on_the_device_after_verification(deep_llama, tmp_path, head, async_scheduling):
+def test_head_drafts_on_the_device_after_verification(deep_llama, tmp_path, head, async_scheduling, monkeypatch):
     """Every request speculating: after each verification step through the target's multi-token graph, the head's
     catch-up (over all k + 1 positions) and draft steps are queued on the device behind the sampling, planned
     there from the accepted counts. The same drafts as the host's proposals (acceptance counts), the same tokens
@@ -294,11 +294,11 @@ def test_head_drafts_on_the_device_after_verification(deep_llama, tmp_path, head
     install_stand_in_graphs(host, piecewise=False)
     host.llm_engine.engine_core.runner.after_spec_sample = None  # every proposal on the host
     want = run(host)
-    graphed = _llm(target, spec, async_scheduling=async_scheduling)
-    install_stand_in_graphs(graphed, piecewise=False)
     # (async: every launch waits for the step in flight, as the host's proposals do; test_async_launches_ahead
     # takes the other way, whose drafts are not cut at max_tokens or the blocks' end)
-    graphed.llm_engine.engine_core.spec_ahead = False
+    monkeypatch.setenv("PAGEDLLM_SPEC_AHEAD", "0")
+    graphed = _llm(target, spec, async_scheduling=async_scheduling)
+    install_stand_in_graphs(graphed, piecewise=False)
     got = run(graphed)
     assert got == want == plain
     assert len(got[-1]) == 128 - 100  # stopped by max_model_len
@@ -306,6 +306,7 @@ def test_head_drafts_on_the_device_after_verification(deep_llama, tmp_path, head
     assert _drafts(graphed)[1] > 0 if head.startswith("demo-") else _drafts(graphed)[0] > 0
     assert graphed.llm_engine.engine_core.proposer.num_device_proposals > 0
     assert host.llm_engine.engine_core.proposer.num_device_proposals == 0
+    assert graphed.llm_engine.engine_core.num_spec_launches_ahead == 0  # (the switch holds)
     graphed.llm_engine.engine_core.check_integrity()
 
 
